@@ -1,0 +1,36 @@
+# stepflow: two commands do all set-up on a fresh machine: `make train` and `make test`.
+PY      ?= python3
+VENV    ?= .venv
+VPY     := $(VENV)/bin/python
+STAMP   := $(VENV)/.installed
+export HF_HUB_OFFLINE ?= 1
+export WANDB_MODE ?= offline
+export TOKENIZERS_PARALLELISM ?= false
+
+.PHONY: install train test test-fast evaluate pretrain ablations ablations-quick clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml constraints.txt
+	test -x $(VPY) || $(PY) -m venv $(VENV)
+	$(VPY) -m pip install -q --upgrade pip
+	$(VPY) -m pip install -q -c constraints.txt -e ".[dev,launchers]"
+	touch $(STAMP)
+
+train: install
+	$(VPY) -m stepflow.train $(ARGS)
+
+evaluate: install
+	$(VPY) -m stepflow.evaluate $(ARGS)
+
+pretrain: install
+	$(VPY) -m stepflow.pretrain $(ARGS)
+
+test: install
+	$(VPY) -m pytest -q $(ARGS)
+
+test-fast: install
+	$(VPY) -m pytest -q -m "not slow" $(ARGS)
+
+clean:
+	rm -rf outputs multirun .pytest_cache

@@ -1,0 +1,3 @@
+"""stepflow: stepwise credit assignment for GRPO on flow-matching text-to-image models."""
+
+__version__ = "0.1.0"

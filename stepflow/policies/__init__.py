@@ -1,0 +1,5 @@
+"""FlowPolicy implementations: the embedded shapes model and diffusers' SD3 family."""
+
+from stepflow.policies.base import Cond, FlowPolicy, LORA_TARGETS_SD3
+
+__all__ = ["Cond", "FlowPolicy", "LORA_TARGETS_SD3"]
