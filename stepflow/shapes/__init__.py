@@ -1,0 +1,41 @@
+"""The embedded world: a procedural miniature of text-to-image generation.
+
+Pictures of coloured shapes (:mod:`.world`), prompts in GenEval's six categories with versioned train/eval files
+(:mod:`.prompts`), and a deterministic judge that scores an image against its prompt (:mod:`.judge`).
+"""
+
+from stepflow.shapes.judge import Detection, JudgeResult, detect, evaluate, judge
+from stepflow.shapes.prompts import (
+    CATEGORIES,
+    DISJOINT_CATEGORIES,
+    ObjectReq,
+    Requirement,
+    all_requirements,
+    load_prompts,
+    parse_prompt,
+    prompt_file,
+    prompt_space_sizes,
+    sample_prompt,
+    scene_for_prompt,
+    split_requirements,
+)
+from stepflow.shapes.world import (
+    BACKGROUND,
+    COLORS,
+    RELATIONS,
+    SHAPES,
+    Scene,
+    ShapeSpec,
+    relative_position,
+    render,
+    render_batch,
+    shape_mask,
+    side_range,
+)
+
+__all__ = [
+    "BACKGROUND", "CATEGORIES", "COLORS", "DISJOINT_CATEGORIES", "RELATIONS", "SHAPES", "Detection", "JudgeResult",
+    "ObjectReq", "Requirement", "Scene", "ShapeSpec", "all_requirements", "detect", "evaluate", "judge",
+    "load_prompts", "parse_prompt", "prompt_file", "prompt_space_sizes", "relative_position", "render",
+    "render_batch", "sample_prompt", "scene_for_prompt", "shape_mask", "side_range", "split_requirements",
+]
