@@ -4,8 +4,8 @@
 foreground = pixels far from the background colour; colour = nearest palette colour measured against the segment
 ``background -> colour`` (so blurred edge pixels, mixes of colour and background, still get the right colour);
 objects = 4-connected components (split by colour when different colours touch, split by erosion when same-colour
-shapes are fused); specks under ``min_area`` are ignored; shape from geometric features of the pixel mask (fill
-ratio of the bounding box, top/bottom mass balance).
+shapes are fused); specks under ``min_area`` are ignored; shape from moment features of the object's soft mask
+(vertical skewness: triangles; diagonal-vs-axis kurtosis: squares vs circles), which survive blur and noise.
 
 :func:`judge` scores an image against a prompt: ``strict`` is GenEval's correctness rule (right objects with the
 right counts, colours and relative positions), ``partial`` the fraction of satisfied requirements in [0, 1] (the
@@ -41,6 +41,10 @@ class Detection:
     cy: float
     area: int  # pixels
     box: tuple[int, int, int, int] = (0, 0, 0, 0)  # x0, y0, x1, y1 (exclusive)
+
+    @property
+    def box_center(self) -> tuple[float, float]:
+        return (self.box[0] + self.box[2]) / 2, (self.box[1] + self.box[3]) / 2
 
     @property
     def dims(self) -> tuple[int, int]:
@@ -106,6 +110,15 @@ def _erode(mask: np.ndarray) -> np.ndarray:
     return m
 
 
+def _dilate(mask: np.ndarray) -> np.ndarray:
+    m = mask.copy()
+    m[1:, :] |= mask[:-1, :]
+    m[:-1, :] |= mask[1:, :]
+    m[:, 1:] |= mask[:, :-1]
+    m[:, :-1] |= mask[:, 1:]
+    return m
+
+
 def _dilate_within(labels: np.ndarray, mask: np.ndarray) -> np.ndarray:
     """Grow labelled seeds inside ``mask`` until every reachable mask pixel has the nearest seed's label."""
     lab = labels.copy()
@@ -122,23 +135,43 @@ def _dilate_within(labels: np.ndarray, mask: np.ndarray) -> np.ndarray:
         lab = new
 
 
-def _shape_of(mask: np.ndarray) -> tuple[str, dict[str, float]]:
-    """Classify a (cropped to its box) boolean mask as circle / square / triangle from two features:
-    fill = area / box area (square ~1, circle ~0.8, triangle ~0.55) and top/bottom mass balance (triangle, apex
-    up, has ~1/3 of its bottom half's mass in its top half; circle and square ~1)."""
-    h, w = mask.shape
-    area = float(mask.sum())
-    fill = area / float(h * w)
-    top = float(mask[: h // 2].sum())
-    bot = float(mask[h - h // 2 :].sum())
-    balance = top / max(bot, 1.0)
-    if balance < 0.62:
-        shape = "triangle"
-    elif fill > 0.9:
-        shape = "square"
-    else:
-        shape = "circle"
-    return shape, {"fill": fill, "balance": balance}
+#: shape decision thresholds on the soft-mask moment features (see :func:`shape_features`)
+TRIANGLE_SKEW = -0.2
+SQUARE_KURT_GAP = 0.17
+
+
+def shape_features(weights: np.ndarray) -> dict[str, float]:
+    """Moment features of a soft object mask (weights >= 0, e.g. colour opacity in a neighbourhood of the object).
+
+    skew_y: normalised third central moment of the vertical marginal: triangle (apex up, mass at the bottom)
+    ~-0.55, circle and square 0. kurt_gap: mean kurtosis of the two diagonal marginals minus that of the two axis
+    marginals: square ~0.6 (uniform axis marginal 1.8, triangular diagonal marginal 2.4), circle ~0 (isotropic),
+    triangle ~0. Both are invariant to position and scale and degrade slowly under blur and noise, unlike the
+    binary fill ratio."""
+    h, w = weights.shape
+    tot = float(weights.sum())
+    if tot <= 0:
+        return {"skew_y": 0.0, "kurt_gap": 0.0}
+    ys, xs = np.mgrid[0:h, 0:w].astype(np.float64)
+    wn = weights / tot
+    dx = xs - (wn * xs).sum()
+    dy = ys - (wn * ys).sum()
+
+    def kurt(u):
+        v = (wn * u * u).sum()
+        return float((wn * u**4).sum() / max(v * v, 1e-12))
+
+    vy = float((wn * dy * dy).sum())
+    skew = float((wn * dy**3).sum() / max(vy, 1e-12) ** 1.5)
+    gap = (kurt(dx + dy) + kurt(dx - dy)) / 2 - (kurt(dx) + kurt(dy)) / 2
+    return {"skew_y": skew, "kurt_gap": gap}
+
+
+def classify_shape(weights: np.ndarray) -> str:
+    f = shape_features(weights)
+    if f["skew_y"] < TRIANGLE_SKEW:
+        return "triangle"
+    return "square" if f["kurt_gap"] > SQUARE_KURT_GAP else "circle"
 
 
 def _pixel_colors(img: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -179,14 +212,23 @@ def detect(image, min_area: int | None = None, threshold: float = FG_THRESHOLD) 
                 part = sub == j
                 if part.sum() >= min_area:
                     objects.append((part, int(c)))
+    parts: list[tuple[np.ndarray, int]] = [(p, c) for comp, c in objects for p in _split_fused(comp, min_area)]
+    owner = np.full((h, w), -1, dtype=np.int64)
+    for i, (p, _) in enumerate(parts):
+        owner[p] = i
     out: list[Detection] = []
-    for comp, c in objects:
-        for part in _split_fused(comp, min_area):
-            ys, xs = np.nonzero(part)
-            y0, y1, x0, x1 = ys.min(), ys.max() + 1, xs.min(), xs.max() + 1
-            shape, _ = _shape_of(part[y0:y1, x0:x1])
-            out.append(Detection(shape, _PAL_NAMES[c], float(xs.mean() + 0.5), float(ys.mean() + 0.5), int(len(ys)),
-                                 (int(x0), int(y0), int(x1), int(y1))))
+    for i, (part, c) in enumerate(parts):
+        ys, xs = np.nonzero(part)
+        y0, y1, x0, x1 = ys.min(), ys.max() + 1, xs.min(), xs.max() + 1
+        # soft mask: opacity of colour c in a 2-px neighbourhood of the part that no other object owns
+        Y0, Y1, X0, X1 = max(y0 - 2, 0), min(y1 + 2, h), max(x0 - 2, 0), min(x1 + 2, w)
+        region = _dilate(_dilate(part))[Y0:Y1, X0:X1] & (owner[Y0:Y1, X0:X1] < 0) | part[Y0:Y1, X0:X1]
+        crop = img[Y0:Y1, X0:X1] - _BG
+        alpha = np.clip((crop * _DIR[c]).sum(-1) / _DIR_N2[c], 0.0, 1.0)
+        weights = np.where(region & ((alpha > 0.2) | part[Y0:Y1, X0:X1]), alpha, 0.0)
+        shape = classify_shape(weights)
+        out.append(Detection(shape, _PAL_NAMES[c], float(xs.mean() + 0.5), float(ys.mean() + 0.5), int(len(ys)),
+                             (int(x0), int(y0), int(x1), int(y1))))
     out.sort(key=lambda d: (d.cy, d.cx))
     return out
 
@@ -226,7 +268,7 @@ def _split_fused(comp: np.ndarray, min_area: int) -> list[np.ndarray]:
 
 
 def _rel_holds(a: Detection, b: Detection, rel: str) -> bool:
-    return rel in relative_position((a.cx, a.cy), a.dims, (b.cx, b.cy), b.dims)
+    return rel in relative_position(a.box_center, a.dims, b.box_center, b.dims)  # GenEval uses box centres
 
 
 def evaluate(dets: list[Detection], req: Requirement) -> JudgeResult:
