@@ -19,7 +19,7 @@ from torch import Tensor
 
 from stepflow.rewards.base import Reward, RewardOut
 from stepflow.shapes import CATEGORIES, judge, parse_prompt
-from stepflow.shapes.judge import FG_THRESHOLD
+from stepflow.shapes.detector import FG_THRESHOLD
 
 __all__ = ["ShapesGenEvalReward", "geneval_table", "judge_batch"]
 
@@ -37,7 +37,7 @@ def _to_hwc_batch(images) -> np.ndarray:
 
 
 def judge_batch(images, prompts: Sequence[str], threshold: float = FG_THRESHOLD, min_area: int | None = None):
-    """Judge each (image, prompt) pair: a list of :class:`~stepflow.shapes.judge.JudgeResult`."""
+    """Judge each (image, prompt) pair: a list of :class:`~stepflow.shapes.detector.JudgeResult`."""
     arr = _to_hwc_batch(images)
     if len(prompts) != arr.shape[0]:
         raise ValueError(f"shapes_geneval: {arr.shape[0]} images but {len(prompts)} prompts")

@@ -1,10 +1,10 @@
 """The embedded world: a procedural miniature of text-to-image generation.
 
 Pictures of coloured shapes (:mod:`.world`), prompts in GenEval's six categories with versioned train/eval files
-(:mod:`.prompts`), and a deterministic judge that scores an image against its prompt (:mod:`.judge`).
+(:mod:`.prompts`), and a deterministic judge that scores an image against its prompt (:mod:`.detector`).
 """
 
-from stepflow.shapes.judge import Detection, JudgeResult, detect, evaluate, judge
+from stepflow.shapes.detector import Detection, JudgeResult, detect, evaluate, judge
 from stepflow.shapes.prompts import (
     CATEGORIES,
     DISJOINT_CATEGORIES,
