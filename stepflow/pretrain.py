@@ -1,0 +1,411 @@
+"""Pretrain the embedded world's base model: ``python -m stepflow.pretrain [overrides]`` (config: conf/pretrain.yaml).
+
+Objective: rectified flow. For a rendered image ``x0`` (mapped to [-1, 1]), noise ``x1 ~ N(0, I)`` and
+``t ~ logit-normal(m, s)`` (SD3's choice; ``uniform`` also available), ``x_t = (1 - t) x0 + t x1`` and the loss is
+``|| v_theta(x_t, t, c) - (x1 - x0) ||^2`` (mean over pixels and batch).
+
+Data: an endless stream rendered on the fly. Each example is a prompt from ``stepflow.shapes.sample_prompt`` (all
+six categories in equal proportion by default, a fresh random prompt each time, so the model sees every prompt the
+world can produce, including the RL evaluation prompts, just as a real base model has seen the concepts GenEval
+asks for; train/eval disjointness is a property of the *RL* prompt sets, not of pretraining) and an image
+``render(scene_for_prompt(prompt, rng))``. With probability ``data.empty_prompt_prob`` the prompt is replaced by
+``""`` so that classifier-free guidance has an unconditional model.
+
+Training: a Lightning ``LightningModule`` + ``Trainer`` on the CPU, AdamW with warm-up and cosine decay, an EMA copy
+of the weights. Every ``eval.every_n_steps`` the EMA model samples ``eval.max_prompts`` evaluation prompts with the
+10-step Euler ODE (no CFG) and the strict shapes-GenEval judge scores them; the EMA weights are saved as a
+candidate (``checkpoints/ema_step<N>/``). At the end the candidates are re-scored on the full evaluation set and the
+one whose overall score is closest to ``select.target`` with every category above ``select.min_category`` and the
+overall inside ``[select.low, select.high]`` is chosen (``selected/``; ``export=true`` also writes it, with a model
+card, to ``stepflow/assets/shapes_base``). Everything goes to the Hydra run dir.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+import math
+import os
+import shutil
+import time
+from pathlib import Path
+from typing import Any, Iterator
+
+import lightning.pytorch as pl
+import numpy as np
+import torch
+from torch import Tensor
+from torch.utils.data import DataLoader, IterableDataset
+
+log = logging.getLogger("stepflow.pretrain")
+
+
+# ------------------------------------------------------------------------------------------------------------ data
+class ShapesStream(IterableDataset):
+    """Endless batches ``(x0 (B, 3, S, S) in [-1, 1], prompts list[str])`` rendered on the fly.
+
+    ``categories``: the categories to draw from (None = all, round-robin so every batch is balanced);
+    ``empty_prompt_prob``: probability of replacing a prompt by ``""`` (the image stays, as in CFG training).
+    """
+
+    def __init__(self, batch_size: int = 64, seed: int = 0, size: int = 32, categories: list[str] | None = None,
+                 empty_prompt_prob: float = 0.1):
+        super().__init__()
+        self.batch_size, self.seed, self.size = int(batch_size), int(seed), int(size)
+        self.categories = list(categories) if categories else None
+        self.empty_prompt_prob = float(empty_prompt_prob)
+
+    def __iter__(self) -> Iterator[tuple[Tensor, list[str]]]:
+        from stepflow import shapes
+
+        info = torch.utils.data.get_worker_info()
+        wid = 0 if info is None else info.id
+        rng = np.random.default_rng([self.seed, wid])
+        cats = self.categories or list(shapes.CATEGORIES)
+        k = 0
+        while True:
+            imgs, prompts = [], []
+            for _ in range(self.batch_size):
+                rec = shapes.sample_prompt(rng, category=cats[k % len(cats)])
+                k += 1
+                imgs.append(shapes.render(shapes.scene_for_prompt(rec["prompt"], rng, size=self.size), size=self.size))
+                prompts.append("" if rng.random() < self.empty_prompt_prob else rec["prompt"])
+            x0 = torch.from_numpy(np.stack(imgs)).permute(0, 3, 1, 2).float() * 2.0 - 1.0
+            yield x0.contiguous(), prompts
+
+
+# ------------------------------------------------------------------------------------------------------------ module
+def sample_t(n: int, kind: str = "logit_normal", mean: float = 0.0, std: float = 1.0,
+             generator: torch.Generator | None = None) -> Tensor:
+    """Training times in (0, 1): ``logit_normal`` = sigmoid(N(mean, std)) (SD3) or ``uniform``."""
+    if kind == "logit_normal":
+        return torch.sigmoid(torch.randn(n, generator=generator) * std + mean)
+    if kind == "uniform":
+        return torch.rand(n, generator=generator)
+    raise ValueError(f"objective.t_sampling: unknown {kind!r}; use logit_normal or uniform")
+
+
+def flow_matching_loss(policy, x0: Tensor, prompts: list[str], t: Tensor, noise: Tensor) -> Tensor:
+    """Rectified-flow loss: MSE between ``policy.velocity(x_t, t)`` and ``noise - x0`` with ``x_t = (1-t) x0 + t noise``."""
+    tt = t.view(-1, 1, 1, 1)
+    xt = (1.0 - tt) * x0 + tt * noise
+    v = policy.velocity(xt, t, policy.encode(prompts))
+    return torch.nn.functional.mse_loss(v, noise - x0)
+
+
+class PretrainModule(pl.LightningModule):
+    """Rectified-flow pretraining of a :class:`~stepflow.policies.shapes.ShapesPolicy` with an EMA copy and periodic
+    strict-GenEval evaluation of the EMA weights."""
+
+    def __init__(self, arch: dict[str, Any], optim: dict[str, Any], objective: dict[str, Any], ema: dict[str, Any],
+                 evaluation: dict[str, Any], max_steps: int, vocab: list[str] | None = None,
+                 max_length: int | None = None, out_dir: str | None = None):
+        super().__init__()
+        from stepflow.policies.shapes import ShapesPolicy
+
+        self.save_hyperparameters()
+        self.policy = ShapesPolicy.build(vocab=vocab, max_length=max_length, **arch)
+        self.ema = copy.deepcopy(self.policy).requires_grad_(False).eval()
+        self.optim_cfg, self.objective, self.ema_cfg, self.eval_cfg = optim, objective, ema, evaluation
+        self.max_steps_total = int(max_steps)
+        self.out_dir = Path(out_dir) if out_dir else None
+        self.history: list[dict[str, Any]] = []
+        self._t0 = None
+        self._eval_records = None
+
+    # ---------------------------------------------------------------- optimisation
+    def configure_optimizers(self):
+        o = self.optim_cfg
+        decay, no_decay = [], []
+        for n, p in self.policy.named_parameters():
+            (no_decay if p.ndim < 2 or "embed" in n or n.endswith(".pos") else decay).append(p)
+        opt = torch.optim.AdamW([{"params": decay, "weight_decay": float(o["weight_decay"])},
+                                 {"params": no_decay, "weight_decay": 0.0}],
+                                lr=float(o["lr"]), betas=tuple(o["betas"]))
+        warm, total, floor = int(o["warmup_steps"]), max(1, self.max_steps_total), float(o["min_lr_ratio"])
+
+        def lr_lambda(step: int) -> float:
+            if step < warm:
+                return (step + 1) / max(1, warm)
+            prog = min(1.0, (step - warm) / max(1, total - warm))
+            return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * prog))
+
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+    def training_step(self, batch, batch_idx):
+        x0, prompts = batch
+        x0 = x0.to(self.device)
+        if self._t0 is None:
+            self._t0 = time.perf_counter()
+        ob = self.objective
+        t = sample_t(x0.shape[0], ob["t_sampling"], ob.get("logit_mean", 0.0), ob.get("logit_std", 1.0)).to(x0)
+        noise = torch.randn_like(x0)
+        loss = flow_matching_loss(self.policy, x0, list(prompts), t, noise)
+        self.log("train/loss", loss, prog_bar=True, on_step=True, batch_size=x0.shape[0])
+        self.log("train/lr", self.trainer.optimizers[0].param_groups[0]["lr"], on_step=True, batch_size=x0.shape[0])
+        return loss
+
+    @torch.no_grad()
+    def on_train_batch_end(self, outputs, batch, batch_idx):
+        # EMA with warm-up (decay ramps up from 0.1 so the average is not stuck at the random init).
+        step = self.global_step
+        d = min(float(self.ema_cfg["decay"]), (1 + step) / (10 + step))
+        for pe, p in zip(self.ema.parameters(), self.policy.parameters()):
+            pe.lerp_(p.detach(), 1.0 - d)
+        for be, b in zip(self.ema.buffers(), self.policy.buffers()):
+            be.copy_(b)
+        every = int(self.eval_cfg.get("every_n_steps") or 0)
+        if every > 0 and step > 0 and step % every == 0:
+            self.run_eval(step)
+
+    def on_train_end(self):
+        every = int(self.eval_cfg.get("every_n_steps") or 0)
+        if every > 0 and (not self.history or self.history[-1]["step"] != self.global_step):
+            self.run_eval(self.global_step)
+
+    # ---------------------------------------------------------------- evaluation
+    def eval_records(self) -> list[dict[str, Any]]:
+        if self._eval_records is None:
+            from stepflow.shapes import load_prompts
+
+            recs = load_prompts(self.eval_cfg.get("split", "eval"))
+            self._eval_records = _balanced_subset(recs, self.eval_cfg.get("max_prompts"))
+        return self._eval_records
+
+    @torch.no_grad()
+    def run_eval(self, step: int) -> dict[str, Any]:
+        from stepflow.evaluation import evaluate_geneval, format_table
+
+        t0 = time.perf_counter()
+        self.ema.clear_cache()  # the EMA weights moved since the last evaluation
+        e = self.eval_cfg
+        table, images, recs = evaluate_geneval(self.ema, self.eval_records(), num_steps=int(e["num_steps"]),
+                                               guidance=float(e["guidance"]), seed=int(e["seed"]))
+        self.ema.clear_cache()
+        elapsed = time.perf_counter() - (self._t0 or t0)
+        row = {"step": int(step), "train_time_s": round(elapsed, 1), "eval_time_s": round(time.perf_counter() - t0, 2),
+               **{k: round(v, 4) for k, v in table.items()}}
+        self.history.append(row)
+        for k, v in table.items():
+            self.log(f"eval/{k}", v, on_step=True, batch_size=1)
+        if self.out_dir is not None:
+            ck = self.out_dir / "checkpoints" / f"ema_step{step:06d}"
+            self.ema.save_pretrained(ck, meta={"step": int(step), "train_time_s": row["train_time_s"], "eval": table})
+            row["path"] = str(ck)
+            with open(self.out_dir / "evals.jsonl", "a") as f:
+                f.write(json.dumps(row) + "\n")
+            if e.get("save_grid", True):
+                from stepflow.evaluation import save_grid
+
+                idx = _first_per_category(recs, int(e.get("grid_per_category", 4)))
+                save_grid(images[idx], [recs[i]["prompt"] for i in idx], self.out_dir / "grids" / f"step{step:06d}.png",
+                          ncol=8, title=f"EMA step {step}: geneval {table['geneval']:.3f}")
+        log.info("step %d  (%.0fs)  eval on %d prompts:\n%s", step, elapsed, len(recs), format_table(table))
+        return row
+
+
+def _balanced_subset(recs: list[dict[str, Any]], n: int | None) -> list[dict[str, Any]]:
+    """The first ``n`` records taking categories in turn (all records when n is None or too large)."""
+    if n is None or n >= len(recs):
+        return list(recs)
+    by: dict[str, list[dict[str, Any]]] = {}
+    for r in recs:
+        by.setdefault(str(r.get("category", "all")), []).append(r)
+    out, i = [], 0
+    while len(out) < n:
+        for cat in sorted(by):
+            if i < len(by[cat]) and len(out) < n:
+                out.append(by[cat][i])
+        i += 1
+    return out
+
+
+def _first_per_category(recs, k: int) -> list[int]:
+    seen: dict[str, int] = {}
+    idx = []
+    for i, r in enumerate(recs):
+        c = str(r.get("category", "all"))
+        if seen.get(c, 0) < k:
+            seen[c] = seen.get(c, 0) + 1
+            idx.append(i)
+    return idx
+
+
+# ------------------------------------------------------------------------------------------------------------ select
+def select_checkpoint(rows: list[dict[str, Any]], target: float = 0.5, low: float = 0.3, high: float = 0.7,
+                      min_category: float = 0.05) -> dict[str, Any] | None:
+    """The evaluated checkpoint to ship: overall in [low, high], every category > min_category, overall closest to
+    ``target`` (ties: the later step). None if no row qualifies."""
+    ok = [r for r in rows if low <= r["geneval"] <= high
+          and all(v > min_category for k, v in r.items() if k.startswith("geneval_"))]
+    if not ok:
+        return None
+    return min(ok, key=lambda r: (abs(r["geneval"] - target), -r["step"]))
+
+
+def write_card(path: Path, cfg: dict[str, Any], row: dict[str, Any], history: list[dict[str, Any]],
+               params: dict[str, int], extra: dict[str, Any]) -> None:
+    """The model card ``README.md`` of an exported base model."""
+    cats = sorted(k for k in row if k.startswith("geneval_"))
+    lines = [
+        "# shapes_base: the embedded world's base text-to-image flow model",
+        "",
+        "A tiny pixel-space rectified-flow model (diffusers `SD3Transformer2DModel`, patch 4 on 3x32x32 pixels, "
+        "joint attention with a word-level text encoder over the shapes world's vocabulary), trained by "
+        "`python -m stepflow.pretrain`. Load it with `stepflow.policies.shapes.ShapesPolicy.from_pretrained()`.",
+        "It is deliberately *not* fully trained: the shipped checkpoint was selected so that the strict GenEval score "
+        "leaves room for RL.",
+        "",
+        "## Config",
+        "",
+        "```json",
+        json.dumps(cfg, indent=1),
+        "```",
+        "",
+        f"Parameters: transformer {params['transformer']:,}, text encoder {params['text_encoder']:,}.",
+        "",
+        "## Training",
+        "",
+        *[f"- {k}: {v}" for k, v in extra.items()],
+        "",
+        f"## Evaluation (strict shapes-GenEval, {row.get('num_prompts', '?')} evaluation prompts, "
+        f"{row.get('num_steps', 10)}-step Euler ODE, guidance 1.0, seed {row.get('seed', 0)})",
+        "",
+        "| metric | score |",
+        "| --- | --- |",
+        f"| **overall** | **{row['geneval']:.4f}** |",
+        *[f"| {k.removeprefix('geneval_')} | {row[k]:.4f} |" for k in cats],
+        "",
+        "## Checkpoints evaluated during training (EMA weights; periodic evaluation subset)",
+        "",
+        "| step | train time (s) | overall | " + " | ".join(k.removeprefix("geneval_") for k in cats) + " |",
+        "| --- | --- | --- | " + " | ".join("---" for _ in cats) + " |",
+        *[f"| {h['step']} | {h.get('train_time_s', '')} | {h['geneval']:.3f} | "
+          + " | ".join(f"{h.get(k, float('nan')):.3f}" for k in cats) + " |" for h in history],
+        "",
+    ]
+    path.write_text("\n".join(lines))
+
+
+# ------------------------------------------------------------------------------------------------------------ main
+def run(cfg) -> dict[str, Any]:
+    """Train, evaluate, select (and export) as configured; returns a summary dict. ``cfg``: an OmegaConf config."""
+    from lightning.pytorch.callbacks import ModelCheckpoint, TQDMProgressBar
+    from lightning.pytorch.loggers import CSVLogger
+    from omegaconf import OmegaConf
+
+    from stepflow.evaluation import evaluate_geneval, format_table
+    from stepflow.policies.shapes import ShapesPolicy, default_asset_dir, world_vocab
+
+    out = Path(cfg.out_dir).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    pl.seed_everything(int(cfg.seed), workers=True)
+    if cfg.get("torch_threads"):
+        torch.set_num_threads(int(cfg.torch_threads))
+    vocab, longest = world_vocab()
+    tcfg = cfg.trainer
+    module = PretrainModule(arch=OmegaConf.to_container(cfg.arch, resolve=True),
+                            optim=OmegaConf.to_container(cfg.optim, resolve=True),
+                            objective=OmegaConf.to_container(cfg.objective, resolve=True),
+                            ema=OmegaConf.to_container(cfg.ema, resolve=True),
+                            evaluation=OmegaConf.to_container(cfg.eval, resolve=True),
+                            max_steps=int(tcfg.max_steps), vocab=vocab, max_length=longest + 1, out_dir=str(out))
+    n_params = module.policy.num_parameters()
+    log.info("ShapesPolicy: %s parameters; vocab %d words; max_length %d", n_params, len(vocab), longest + 1)
+    data = ShapesStream(batch_size=cfg.data.batch_size, seed=int(cfg.seed), size=int(cfg.arch.image_size),
+                        categories=cfg.data.get("categories"), empty_prompt_prob=float(cfg.data.empty_prompt_prob))
+    loader = DataLoader(data, batch_size=None, num_workers=int(cfg.data.num_workers))
+    callbacks = [ModelCheckpoint(dirpath=str(out / "checkpoints"), filename="last", save_last=False,
+                                 every_n_train_steps=int(tcfg.checkpoint_every_n_steps), save_top_k=1)]
+    if tcfg.get("progress_bar", True):
+        callbacks.append(TQDMProgressBar(refresh_rate=int(tcfg.get("progress_refresh", 10))))
+    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=int(tcfg.max_steps), max_time=tcfg.get("max_time"),
+                         gradient_clip_val=float(cfg.optim.grad_clip) or None, logger=CSVLogger(str(out), name="logs"),
+                         callbacks=callbacks, log_every_n_steps=int(tcfg.log_every_n_steps),
+                         enable_progress_bar=bool(tcfg.get("progress_bar", True)), enable_model_summary=False,
+                         fast_dev_run=bool(tcfg.get("fast_dev_run", False)), limit_val_batches=0,
+                         num_sanity_val_steps=0)
+    t0 = time.perf_counter()
+    trainer.fit(module, train_dataloaders=loader, ckpt_path=cfg.get("resume") or None)
+    train_time = time.perf_counter() - t0
+    steps = int(trainer.global_step)
+    log.info("trained %d steps in %.0f s", steps, train_time)
+    summary: dict[str, Any] = {"steps": steps, "train_time_s": round(train_time, 1), "parameters": n_params,
+                               "history": module.history}
+
+    # ---- final selection on the full evaluation set
+    s = cfg.select
+    if module.history and s.get("enabled", True):
+        from stepflow.shapes import load_prompts
+
+        recs = load_prompts(cfg.eval.get("split", "eval"))
+        rows = []
+        cands = sorted(module.history, key=lambda r: abs(r["geneval"] - float(s.target)))[: int(s.rescore_top_k)]
+        for h in sorted(cands, key=lambda r: r["step"]):
+            pol = ShapesPolicy.from_pretrained(h["path"])
+            table, _, _ = evaluate_geneval(pol, recs, num_steps=int(cfg.eval.num_steps),
+                                           guidance=float(cfg.eval.guidance), seed=int(cfg.eval.seed))
+            rows.append({"step": h["step"], "path": h["path"], "train_time_s": h["train_time_s"],
+                         "num_prompts": len(recs), "num_steps": int(cfg.eval.num_steps), "seed": int(cfg.eval.seed),
+                         **table})
+            log.info("full eval of step %d: %s", h["step"], json.dumps({k: round(v, 4) for k, v in table.items()}))
+        (out / "full_evals.json").write_text(json.dumps(rows, indent=1))
+        best = select_checkpoint(rows, float(s.target), float(s.low), float(s.high), float(s.min_category))
+        summary["full_evals"] = rows
+        if best is None:
+            log.warning("no checkpoint satisfies the selection window %s; nothing selected", dict(s))
+        else:
+            sel = out / "selected"
+            if sel.exists():
+                shutil.rmtree(sel)
+            shutil.copytree(best["path"], sel)
+            summary["selected"] = best
+            log.info("selected step %d:\n%s", best["step"], format_table({k: v for k, v in best.items()
+                                                                          if k.startswith("geneval")}))
+            extra = {"seed": int(cfg.seed), "selected step": best["step"], "steps trained": steps,
+                     "training time to the selected step (s)": best["train_time_s"],
+                     "total training time (s)": round(train_time, 1), "batch size": int(cfg.data.batch_size),
+                     "optimizer": json.dumps(OmegaConf.to_container(cfg.optim)),
+                     "objective": json.dumps(OmegaConf.to_container(cfg.objective)),
+                     "EMA decay": float(cfg.ema.decay), "prompt dropout": float(cfg.data.empty_prompt_prob),
+                     "data": "fresh `sample_prompt` prompts of all six categories, rendered on the fly",
+                     "machine": f"CPU, {torch.get_num_threads()} torch threads"}
+            cfg_json = json.loads((sel / "config.json").read_text())
+            cfg_json["meta"] = {**cfg_json.get("meta", {}), "eval_full": {k: v for k, v in best.items()
+                                                                         if k.startswith("geneval")}, **extra}
+            (sel / "config.json").write_text(json.dumps(cfg_json, indent=1) + "\n")
+            card_cfg = {k: v for k, v in cfg_json.items() if k not in ("vocab", "meta")}
+            card_cfg["vocab_size"] = len(cfg_json["vocab"])
+            write_card(sel / "README.md", card_cfg, best, module.history, n_params, extra)
+            if cfg.get("export"):
+                dest = Path(cfg.export_dir) if cfg.get("export_dir") else default_asset_dir()
+                dest.mkdir(parents=True, exist_ok=True)
+                for f in ("config.json", "model.safetensors", "README.md"):
+                    shutil.copy2(sel / f, dest / f)
+                summary["exported_to"] = str(dest)
+                log.info("exported to %s", dest)
+    (out / "summary.json").write_text(json.dumps(summary, indent=1, default=str))
+    return summary
+
+
+def _main():
+    import hydra
+    from hydra.core.hydra_config import HydraConfig
+    from omegaconf import DictConfig, OmegaConf, open_dict
+
+    @hydra.main(version_base="1.3", config_path="../conf", config_name="pretrain")
+    def main(cfg: DictConfig) -> None:
+        with open_dict(cfg):
+            if not cfg.get("out_dir"):
+                cfg.out_dir = HydraConfig.get().runtime.output_dir
+        log.info("config:\n%s", OmegaConf.to_yaml(cfg))
+        run(cfg)
+
+    main()
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    _main()
