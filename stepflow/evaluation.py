@@ -47,11 +47,28 @@ def sample_ode(policy: FlowPolicy, prompts: Sequence[str], num_steps: int = 10, 
 
 def expand_records(records: Sequence[dict[str, Any] | str], num_per_prompt: int = 1,
                    max_prompts: int | None = None) -> list[dict[str, Any]]:
-    """Prompt records (dicts with ``prompt``, or bare strings) -> the list to sample, each repeated ``num_per_prompt``."""
-    recs = [r if isinstance(r, dict) else {"prompt": r} for r in records]
-    if max_prompts is not None:
-        recs = recs[: int(max_prompts)]
+    """Prompt records (dicts with ``prompt``, or bare strings) -> the list to sample, each repeated ``num_per_prompt``
+    (adjacent). ``max_prompts`` keeps a category-balanced subset (:func:`balanced_subset`)."""
+    recs = balanced_subset([r if isinstance(r, dict) else {"prompt": r} for r in records], max_prompts)
     return [r for r in recs for _ in range(int(num_per_prompt))]
+
+
+def balanced_subset(records: Sequence[dict[str, Any]], n: int | None) -> list[dict[str, Any]]:
+    """``n`` records taking the categories in turn (file order within a category), so that a small subset still
+    covers every category; all records when ``n`` is None or not smaller than the file."""
+    if n is None or int(n) >= len(records):
+        return list(records)
+    by: dict[str, list[dict[str, Any]]] = {}
+    for r in records:
+        by.setdefault(str(r.get("category", "all")), []).append(r)
+    out: list[dict[str, Any]] = []
+    i = 0
+    while len(out) < int(n):
+        for cat in by:  # first-appearance order
+            if i < len(by[cat]) and len(out) < int(n):
+                out.append(by[cat][i])
+        i += 1
+    return out
 
 
 def evaluate_geneval(policy: FlowPolicy, prompt_records: Sequence[dict[str, Any] | str], num_steps: int = 10,

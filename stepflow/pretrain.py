@@ -168,10 +168,11 @@ class PretrainModule(pl.LightningModule):
     # ---------------------------------------------------------------- evaluation
     def eval_records(self) -> list[dict[str, Any]]:
         if self._eval_records is None:
+            from stepflow.evaluation import balanced_subset
             from stepflow.shapes import load_prompts
 
             recs = load_prompts(self.eval_cfg.get("split", "eval"))
-            self._eval_records = _balanced_subset(recs, self.eval_cfg.get("max_prompts"))
+            self._eval_records = balanced_subset(recs, self.eval_cfg.get("max_prompts"))
         return self._eval_records
 
     @torch.no_grad()
@@ -204,22 +205,6 @@ class PretrainModule(pl.LightningModule):
                           ncol=8, title=f"EMA step {step}: geneval {table['geneval']:.3f}")
         log.info("step %d  (%.0fs)  eval on %d prompts:\n%s", step, elapsed, len(recs), format_table(table))
         return row
-
-
-def _balanced_subset(recs: list[dict[str, Any]], n: int | None) -> list[dict[str, Any]]:
-    """The first ``n`` records taking categories in turn (all records when n is None or too large)."""
-    if n is None or n >= len(recs):
-        return list(recs)
-    by: dict[str, list[dict[str, Any]]] = {}
-    for r in recs:
-        by.setdefault(str(r.get("category", "all")), []).append(r)
-    out, i = [], 0
-    while len(out) < n:
-        for cat in sorted(by):
-            if i < len(by[cat]) and len(out) < n:
-                out.append(by[cat][i])
-        i += 1
-    return out
 
 
 def _first_per_category(recs, k: int) -> list[int]:
@@ -340,7 +325,9 @@ def run(cfg) -> dict[str, Any]:
     if module.history and s.get("enabled", True):
         from stepflow.shapes import load_prompts
 
-        recs = load_prompts(cfg.eval.get("split", "eval"))
+        from stepflow.evaluation import balanced_subset
+
+        recs = balanced_subset(load_prompts(cfg.eval.get("split", "eval")), s.get("rescore_max_prompts"))
         rows = []
         cands = sorted(module.history, key=lambda r: abs(r["geneval"] - float(s.target)))[: int(s.rescore_top_k)]
         for h in sorted(cands, key=lambda r: r["step"]):

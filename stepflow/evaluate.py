@@ -1,0 +1,159 @@
+"""``python -m stepflow.evaluate [model=shapes] [key=value ...]``: strict GenEval of a (LoRA-adapted) model.
+
+Samples every prompt of ``prompt_file`` (default: the embedded world's evaluation prompts) ``num_per_prompt`` times
+with the deterministic Euler ODE (``sampler.num_steps`` steps, CFG ``sampler.guidance``, initial noise from
+``seed``), scores them with the strict shapes-GenEval judge, prints the per-category table and writes to its Hydra
+run dir: ``eval.json`` (``geneval`` + ``geneval_<category>``), ``samples.json`` (per-sample prompt, category and
+strict/partial scores, plus the settings) and one PNG grid per category (``samples_<category>.png``).
+
+Examples::
+
+    python -m stepflow.evaluate                                   # the shipped base model
+    python -m stepflow.evaluate lora_path=outputs/train/<run>/lora
+    python -m stepflow.evaluate ckpt_path=outputs/pretrain/<run>/selected max_prompts=60 sampler.num_steps=20
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from stepflow.cli import StepflowError, entry_point
+
+log = logging.getLogger("stepflow.evaluate")
+
+
+def load_policy(cfg: DictConfig):
+    """The model of ``cfg.model`` (``ckpt_path`` replaces its weights), with the LoRA of ``lora_path`` if given."""
+    import hydra.utils
+
+    from stepflow.evaluation import load_lora
+
+    mcfg = OmegaConf.to_container(cfg.model, resolve=True)
+    mcfg.pop("name", None)
+    mcfg.pop("lora", None)
+    ckpt = cfg.get("ckpt_path")
+    if ckpt:
+        p = Path(str(ckpt)).expanduser()
+        if not p.exists():
+            raise StepflowError(f"ckpt_path: {p} does not exist")
+        if p.is_file() and p.suffix == ".ckpt":
+            policy = load_pretrain_checkpoint(p)
+        elif p.is_dir():
+            if "path" not in mcfg:
+                raise StepflowError(f"ckpt_path: model {mcfg.get('_target_')} takes no path; use model.<field>")
+            mcfg["path"] = str(p)
+            policy = hydra.utils.instantiate(mcfg, _convert_="all")
+        else:
+            raise StepflowError(f"ckpt_path: {p} is neither a model directory nor a pretraining .ckpt file")
+    else:
+        policy = hydra.utils.instantiate(mcfg, _convert_="all")
+    lora = cfg.get("lora_path")
+    if lora:
+        p = Path(str(lora)).expanduser()
+        if not p.exists():
+            raise StepflowError(f"lora_path: {p} does not exist")
+        try:
+            info = load_lora(policy, p)
+        except (FileNotFoundError, ValueError, KeyError, RuntimeError) as e:
+            msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+            raise StepflowError(msg if msg.startswith("lora_path") else f"lora_path: {p}: {msg}") from None
+        log.info("loaded LoRA %s (rank %d, alpha %g, %d targets)", p, info["rank"], info["alpha"], len(info["targets"]))
+    return policy.eval().requires_grad_(False)
+
+
+def load_pretrain_checkpoint(path: str | Path, ema: bool = True):
+    """A :class:`ShapesPolicy` from a ``stepflow.pretrain`` Lightning checkpoint (EMA weights by default)."""
+    from stepflow.policies.shapes import ShapesPolicy
+
+    ck = torch.load(str(path), map_location="cpu", weights_only=False)
+    hp = ck.get("hyper_parameters", {})
+    if "arch" not in hp:
+        raise StepflowError(f"ckpt_path: {path} is not a stepflow.pretrain checkpoint (no 'arch' hyper-parameters)")
+    policy = ShapesPolicy.build(vocab=hp.get("vocab"), max_length=hp.get("max_length"), **hp["arch"])
+    pre = "ema." if ema else "policy."
+    policy.load_state_dict({k[len(pre):]: v for k, v in ck["state_dict"].items() if k.startswith(pre)})
+    return policy
+
+
+def load_records(cfg: DictConfig) -> list[dict[str, Any]]:
+    """Prompt records of ``prompt_file`` (a .jsonl/.txt path, ``pkg://`` path, or the split names train/eval)."""
+    from stepflow.data import load_prompt_file
+    from stepflow.shapes import load_prompts, parse_prompt
+
+    pf = cfg.get("prompt_file")
+    if pf in (None, "", "eval", "train"):
+        recs = load_prompts(pf or "eval")
+    else:
+        recs = load_prompt_file(str(pf), "prompt_file")
+    out = []
+    for r in recs:
+        r = dict(r)
+        if "category" not in r:
+            try:
+                r["category"] = parse_prompt(r["prompt"]).category
+            except ValueError as e:
+                raise StepflowError(f"prompt_file: {pf}: {e}") from None
+        out.append(r)
+    return out
+
+
+def evaluate(cfg: DictConfig, out_dir: str | Path) -> dict[str, float]:
+    """Run the evaluation described by ``cfg`` and write its outputs to ``out_dir``; returns the table."""
+    from stepflow.evaluation import evaluate_geneval, format_table, save_category_grids
+    from stepflow.rewards.shapes_geneval import judge_batch
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    if cfg.get("torch_threads"):
+        torch.set_num_threads(int(cfg.torch_threads))
+    s = cfg.sampler
+    if int(s.num_steps) < 1:
+        raise StepflowError(f"sampler.num_steps: must be >= 1, got {s.num_steps}")
+    if int(cfg.num_per_prompt) < 1:
+        raise StepflowError(f"num_per_prompt: must be >= 1, got {cfg.num_per_prompt}")
+    records = load_records(cfg)
+    policy = load_policy(cfg)
+    t0 = time.perf_counter()
+    table, images, recs = evaluate_geneval(policy, records, num_steps=int(s.num_steps), guidance=float(s.guidance),
+                                           seed=int(cfg.seed), num_per_prompt=int(cfg.num_per_prompt),
+                                           max_prompts=cfg.get("max_prompts"), batch_size=int(cfg.batch_size))
+    elapsed = time.perf_counter() - t0
+    prompts = [r["prompt"] for r in recs]
+    results = judge_batch(images, prompts)
+    (out / "eval.json").write_text(json.dumps(table, indent=1) + "\n")
+    samples = [{"prompt": r["prompt"], "category": r.get("category"), "strict": bool(j.strict),
+                "partial": round(float(j.partial), 4)} for r, j in zip(recs, results)]
+    (out / "samples.json").write_text(json.dumps({
+        "settings": {"model": OmegaConf.to_container(cfg.model, resolve=True), "ckpt_path": cfg.get("ckpt_path"),
+                     "lora_path": cfg.get("lora_path"), "prompt_file": cfg.get("prompt_file"),
+                     "num_steps": int(s.num_steps), "guidance": float(s.guidance), "seed": int(cfg.seed),
+                     "num_per_prompt": int(cfg.num_per_prompt), "num_samples": len(recs),
+                     "sampling_and_scoring_s": round(elapsed, 2)},
+        "samples": samples}, indent=1) + "\n")
+    g = cfg.grid
+    if int(g.per_category) > 0:
+        save_category_grids(images, recs, out, per_category=int(g.per_category), ncol=int(g.ncol),
+                            scores=[float(j.strict) for j in results])
+    print(f"strict GenEval, {len(recs)} samples, {int(s.num_steps)} ODE steps, guidance {float(s.guidance):g}, "
+          f"seed {int(cfg.seed)}:")
+    print(format_table(table))
+    print(f"wrote {out / 'eval.json'}")
+    return table
+
+
+@entry_point("evaluate")
+def main(cfg: DictConfig) -> None:
+    from hydra.core.hydra_config import HydraConfig
+
+    evaluate(cfg, cfg.get("out_dir") or HydraConfig.get().runtime.output_dir)
+
+
+if __name__ == "__main__":
+    main()
