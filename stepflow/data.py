@@ -1,0 +1,152 @@
+"""Prompt datasets and the group sampler.
+
+Every iteration draws ``P`` prompts and ``k`` samples of each (a *group*), ``B = P * k`` samples in all. The plan for
+an iteration is a pure function of ``(seed, iteration)``, so every rank computes the same global plan and takes its
+own contiguous slice: under DDP the copies of one prompt may sit on different ranks, and the group statistics are
+computed on the gathered rewards (see :class:`stepflow.grpo.GRPOModule`). Resuming is exact because the plan never
+depends on a data-loader position.
+
+Prompt files:
+
+- ``.jsonl``: one JSON object per line with a ``"prompt"`` field (other fields, e.g. GenEval metadata, are kept as ``meta``);
+- ``.txt``: one prompt per line (blank lines ignored).
+
+A path ``pkg://stepflow/<rel>`` resolves inside the installed package.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+
+class PromptFileError(ValueError):
+    """A prompt file is missing, empty or malformed (one-line message naming the path)."""
+
+
+def resolve_path(path: str | Path) -> Path:
+    """Resolve ``pkg://package/rel/path`` to a file inside the installed package; other paths unchanged."""
+    s = str(path)
+    if s.startswith("pkg://"):
+        pkg, _, rel = s[len("pkg://"):].partition("/")
+        return Path(str(resources.files(pkg).joinpath(rel)))
+    return Path(s).expanduser()
+
+
+def load_prompt_file(path: str | Path, field: str = "data.train_file") -> list[dict[str, Any]]:
+    """Read a prompt file into a list of records ``{"prompt": str, ...meta}``.
+
+    Raises :class:`PromptFileError` with a one-line message naming ``field`` and the path when the file is missing,
+    empty or has a malformed line.
+    """
+    p = resolve_path(path)
+    if not p.is_file():
+        raise PromptFileError(f"{field}: prompt file not found: {p} (set {field}=/path/to/prompts.jsonl or .txt)")
+    records: list[dict[str, Any]] = []
+    with p.open(encoding="utf-8") as fh:
+        for n, line in enumerate(fh, 1):
+            line = line.strip()
+            if not line:
+                continue
+            if p.suffix == ".jsonl":
+                try:
+                    rec = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise PromptFileError(f"{field}: {p}:{n} is not valid JSON ({e.msg})") from None
+                if not isinstance(rec, dict) or not isinstance(rec.get("prompt"), str):
+                    raise PromptFileError(f"{field}: {p}:{n} has no string 'prompt' field")
+                records.append(rec)
+            else:
+                records.append({"prompt": line})
+    if not records:
+        raise PromptFileError(f"{field}: prompt file is empty: {p}")
+    return records
+
+
+@dataclass
+class IterationPlan:
+    """The global sample plan of one iteration (identical on every rank).
+
+    prompts: B prompt strings; meta: B records; group_ids: (B,) long, one id per prompt group (0..P-1);
+    sample_seeds: (B,) long, a seed per sample for its initial noise and SDE noise (same_latent: the noise seed
+    of x_T is shared within a group, see :func:`noise_seeds`).
+    """
+
+    prompts: list[str]
+    meta: list[dict[str, Any]]
+    group_ids: torch.Tensor
+    sample_seeds: torch.Tensor
+    latent_seeds: torch.Tensor
+
+    def __len__(self) -> int:
+        return len(self.prompts)
+
+    def shard(self, rank: int, world_size: int) -> "IterationPlan":
+        """This rank's contiguous slice (B must be divisible by world_size)."""
+        b = len(self)
+        if b % world_size:
+            raise ValueError(f"prompts_per_iter * group_size = {b} must be divisible by the number of processes ({world_size})")
+        per = b // world_size
+        sl = slice(rank * per, (rank + 1) * per)
+        return IterationPlan(self.prompts[sl], self.meta[sl], self.group_ids[sl], self.sample_seeds[sl],
+                             self.latent_seeds[sl])
+
+
+class GroupSampler:
+    """Draws ``prompts_per_iter`` prompts × ``group_size`` samples per iteration from a prompt list.
+
+    Prompts are drawn without replacement within an epoch over the prompt list (reshuffled each epoch), seeded by
+    ``seed``; the plan for iteration ``i`` depends only on ``(seed, i)``.
+    """
+
+    def __init__(self, records: list[dict[str, Any]], prompts_per_iter: int, group_size: int, seed: int = 0,
+                 same_latent: bool = True):
+        if prompts_per_iter < 1:
+            raise ValueError("prompts_per_iter must be >= 1")
+        if group_size < 2:
+            raise ValueError("group_size must be >= 2 (group statistics need at least two samples)")
+        self.records = records
+        self.prompts_per_iter = prompts_per_iter
+        self.group_size = group_size
+        self.seed = seed
+        self.same_latent = same_latent
+
+    def _prompt_indices(self, iteration: int) -> np.ndarray:
+        n, p = len(self.records), self.prompts_per_iter
+        start = iteration * p
+        out = []
+        while len(out) < p:
+            epoch, offset = divmod(start + len(out), n)
+            perm = np.random.default_rng([self.seed, epoch]).permutation(n)
+            take = min(p - len(out), n - offset)
+            out.extend(perm[offset:offset + take].tolist())
+        return np.asarray(out)
+
+    def plan(self, iteration: int) -> IterationPlan:
+        idx = self._prompt_indices(iteration)
+        k = self.group_size
+        recs = [self.records[i] for i in idx for _ in range(k)]
+        b = len(recs)
+        group_ids = torch.arange(len(idx)).repeat_interleave(k)
+        base = (self.seed * 1_000_003 + iteration) * 1_000_003
+        sample_seeds = torch.arange(b, dtype=torch.long) + base
+        latent_seeds = (group_ids + base + 10_000_019) if self.same_latent else sample_seeds + 7
+        return IterationPlan([r["prompt"] for r in recs], recs, group_ids, sample_seeds, latent_seeds)
+
+
+def seeded_normal(seeds: torch.Tensor, shape: tuple[int, ...], device: torch.device | str = "cpu") -> torch.Tensor:
+    """Standard normal noise ``(len(seeds), *shape)``, row i drawn from a generator seeded by ``seeds[i]``.
+
+    Row-wise seeding makes a sample's noise independent of the batch it sits in (1 process vs DDP, resume).
+    """
+    rows = []
+    for s in seeds.tolist():
+        g = torch.Generator().manual_seed(int(s) % (2**63 - 1))
+        rows.append(torch.randn(shape, generator=g))
+    return torch.stack(rows).to(device)

@@ -1,0 +1,149 @@
+"""``python -m stepflow.train``: Hydra entry point of GRPO training (thin: build parts, fit).
+
+Examples::
+
+    python -m stepflow.train                                  # embedded world, gain credit, DDIM SDE, CPU
+    python -m stepflow.train advantage=uniform sampler=flow_sde
+    python -m stepflow.train model=sd35_medium reward=pickscore data=pickscore trainer=ddp
+    python -m stepflow.train ckpt_path=outputs/train/<run>/checkpoints/last.ckpt   # resume
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from stepflow.cli import StepflowError, entry_point
+
+
+def _container(node) -> dict:
+    return {} if node is None else OmegaConf.to_container(node, resolve=True)
+
+
+def build_policy(cfg: DictConfig):
+    """Instantiate the model config (``_target_`` + kwargs) and add the LoRA adapter of ``cfg.lora``."""
+    import hydra.utils
+
+    mcfg = _container(cfg.model)
+    lora = mcfg.pop("lora", None) or _container(cfg.get("lora"))
+    mcfg.pop("name", None)
+    policy = hydra.utils.instantiate(mcfg, _convert_="all")
+    if lora and lora.get("rank", 0) > 0:
+        policy.add_lora(rank=int(lora["rank"]), alpha=float(lora.get("alpha", lora["rank"])),
+                        targets=tuple(lora.get("targets") or ()), init=lora.get("init", "gaussian"))
+    return policy
+
+
+def build_reward(cfg: DictConfig):
+    import hydra.utils
+
+    rcfg = _container(cfg.reward)
+    try:
+        from stepflow.rewards.registry import build_reward as _build  # real-reward registry, when present
+
+        return _build(rcfg)
+    except ImportError:
+        return hydra.utils.instantiate(rcfg, _convert_="all")
+
+
+def _make(cls, node, prefix: str):
+    """Build a config dataclass from a config node; errors name the full field (``sampler.eta: ...``)."""
+    from stepflow.grpo import _check_fields
+
+    values = _check_fields(cls, _container(node), prefix)
+    try:
+        return cls(**values)
+    except (TypeError, ValueError) as e:
+        msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise StepflowError(msg if msg.startswith(prefix + ".") else f"{prefix}.{msg}") from None
+
+
+def build_module(cfg: DictConfig, run_dir: Path):
+    """Everything but the Trainer: policy (+LoRA), reward, credit, sampler, group sampler, eval prompts."""
+    from stepflow.credit import CreditConfig
+    from stepflow.data import GroupSampler, load_prompt_file
+    from stepflow.grpo import EmaConfig, EvalConfig, GRPOModule, LoopConfig, OptimConfig
+    from stepflow.sde import SamplerConfig
+
+    loop = _make(LoopConfig, cfg.loop, "loop")
+    optim = _make(OptimConfig, cfg.train, "train")
+    eval_cfg = _make(EvalConfig, cfg.eval, "eval")
+    ema = _make(EmaConfig, cfg.ema, "ema")
+    sampler = _make(SamplerConfig, cfg.sampler, "sampler")
+    credit = _make(CreditConfig, cfg.advantage, "advantage")
+    if loop.num_steps < 2:
+        raise StepflowError(f"loop.num_steps: must be >= 2, got {loop.num_steps}")
+    if loop.substeps < 1:
+        raise StepflowError(f"loop.substeps: must be >= 1, got {loop.substeps}")
+    train_records = load_prompt_file(cfg.data.train_file, "data.train_file")
+    eval_records = load_prompt_file(cfg.data.eval_file, "data.eval_file")
+    plan = GroupSampler(train_records, loop.prompts_per_iter, loop.group_size, seed=loop.seed,
+                        same_latent=loop.same_latent)
+    torch.manual_seed(loop.seed)
+    policy = build_policy(cfg)
+    reward = build_reward(cfg)
+    return GRPOModule(policy, reward, sampler, credit, plan, eval_records, loop, optim, eval_cfg, ema, run_dir,
+                      write_csv=bool(cfg.logger.get("csv", True)))
+
+
+def build_trainer(cfg: DictConfig, run_dir: Path, iterations: int):
+    import lightning as L
+
+    from stepflow.checkpoint import AtomicCheckpointIO, checkpoint_callback
+
+    t = _container(cfg.trainer)
+    loggers = []
+    lg = cfg.logger
+    if lg.get("tensorboard"):
+        from lightning.pytorch.loggers import TensorBoardLogger
+
+        loggers.append(TensorBoardLogger(save_dir=str(run_dir), name="tensorboard", version=""))
+    if lg.get("wandb"):
+        from lightning.pytorch.loggers import WandbLogger
+
+        offline = not os.environ.get("WANDB_API_KEY") or os.environ.get("WANDB_MODE") == "offline"
+        loggers.append(WandbLogger(project=lg.get("project", "stepflow"), save_dir=str(run_dir), offline=offline))
+    return L.Trainer(
+        accelerator=t.get("accelerator", "cpu"), devices=t.get("devices", 1), strategy=t.get("strategy", "auto"),
+        num_nodes=t.get("num_nodes", 1), precision=t.get("precision", "32-true"), max_epochs=iterations,
+        logger=loggers or False, callbacks=[checkpoint_callback(run_dir / "checkpoints")],
+        plugins=[AtomicCheckpointIO()], enable_progress_bar=False, enable_model_summary=False,
+        num_sanity_val_steps=0, limit_val_batches=0, use_distributed_sampler=False, log_every_n_steps=1,
+        default_root_dir=str(run_dir), deterministic=False,
+    )
+
+
+def run(cfg: DictConfig, run_dir: Path) -> "GRPOModule":  # noqa: F821
+    """Build and fit; returns the trained module."""
+    from torch.utils.data import DataLoader
+
+    ckpt = cfg.get("ckpt_path")
+    if ckpt:
+        ckpt = Path(str(ckpt)).expanduser()
+        if not ckpt.is_file():
+            raise StepflowError(f"ckpt_path: checkpoint not found: {ckpt} (point it at <run dir>/checkpoints/last.ckpt)")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    OmegaConf.save(cfg, run_dir / "config.yaml", resolve=True)
+    module = build_module(cfg, run_dir)
+    trainer = build_trainer(cfg, run_dir, module.loop.iterations)
+    ticks = DataLoader(list(range(1)), batch_size=None)  # one "batch" per epoch = one GRPO iteration
+    trainer.fit(module, train_dataloaders=ticks, ckpt_path=str(ckpt) if ckpt else None)
+    return module
+
+
+@entry_point("train")
+def main(cfg: DictConfig) -> None:
+    from hydra.core.hydra_config import HydraConfig
+
+    run_dir = Path(HydraConfig.get().runtime.output_dir)
+    ckpt = cfg.get("ckpt_path")
+    if ckpt and Path(str(ckpt)).expanduser().parent.name == "checkpoints":
+        run_dir = Path(str(ckpt)).expanduser().parent.parent  # continue writing into the resumed run's dir
+    run(cfg, run_dir)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,153 @@
+"""Integration tests of the GRPO loop on a tiny random shapes policy (CPU, seconds each)."""
+
+from __future__ import annotations
+
+import csv
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+from hydra.core.global_hydra import GlobalHydra
+
+from stepflow.cli import CONF_DIR
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def make_cfg(*overrides: str):
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        return compose(config_name="train", overrides=["experiment=smoke", *overrides])
+
+
+def fit(tmp_path: Path, *overrides: str):
+    from stepflow.train import run
+
+    cfg = make_cfg(*overrides)
+    return run(cfg, tmp_path), cfg
+
+
+def read_metrics(run_dir: Path) -> list[dict[str, str]]:
+    with (run_dir / "metrics.csv").open() as fh:
+        return list(csv.DictReader(fh))
+
+
+def test_first_update_is_on_policy(tmp_path):
+    """On the first (only) update of an iteration π_θ = π_old, so every ratio is 1 (to 1e-5)."""
+    from stepflow.train import build_module
+
+    cfg = make_cfg("train.updates_per_iter=1", "loop.iterations=1")
+    module = build_module(cfg, tmp_path)  # standalone: no Trainer, the module owns its optimizer
+    m = module.iterate()
+    assert m["train/steps_trained"] > 0
+    assert abs(m["train/ratio_min"] - 1) < 1e-5 and abs(m["train/ratio_max"] - 1) < 1e-5
+    assert m["train/clip_frac"] == 0.0
+
+
+ADVANTAGES = ["uniform", "gain", "gain_per_step", "gain_ema", "gae", "distill"]
+SAMPLERS = ["flow_sde", "ddim_sde", "cps", "ode"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("advantage", ADVANTAGES)
+@pytest.mark.parametrize("sampler", SAMPLERS)
+def test_two_iterations_every_combination(tmp_path, advantage, sampler):
+    module, _ = fit(tmp_path, f"advantage={advantage}", f"sampler={sampler}", "eval.max_prompts=6")
+    rows = read_metrics(tmp_path)
+    train = [r for r in rows if r.get("train/reward_final")]
+    assert len(train) == 2
+    assert module.iteration == 2
+    assert (tmp_path / "checkpoints" / "last.ckpt").is_file()
+    assert (tmp_path / "lora" / "pytorch_lora_weights.safetensors").is_file()
+    assert (tmp_path / "reward_curve.png").is_file()
+    trained = float(train[-1]["train/steps_trained"])
+    if sampler == "ode" and advantage != "distill":
+        assert trained == 0  # the ODE has no density: nothing to train
+    else:
+        assert trained > 0
+    nfe = float(train[-1]["cost/nfe"])
+    assert nfe > 0
+    if advantage == "uniform":
+        assert float(train[-1]["cost/reward_images"]) == 8  # only R_T: B images
+    else:
+        assert float(train[-1]["cost/reward_images"]) == 8 * 5  # B * (T + 1)
+
+
+def test_outputs_of_a_run(tmp_path):
+    module, _ = fit(tmp_path)
+    rows = read_metrics(tmp_path)
+    evals = [r for r in rows if r.get("eval/geneval")]
+    assert len(evals) == 2  # start and end
+    keys = set(rows[0])
+    for k in ["train/reward_mean", "train/reward_final", "train/kl", "train/clip_frac", "train/ratio_mean",
+              "train/adv_abs_mean_step0", "eval/shapes_geneval", "eval/geneval", "time/rollout_s", "time/estimate_s",
+              "time/reward_s", "time/update_s", "cost/nfe", "cost/reward_calls"]:
+        assert k in keys, k
+    assert len(list((tmp_path / "eval_grids").glob("*.png"))) == 2
+    assert (tmp_path / "config.yaml").is_file()
+    # the adapter loads with diffusers' loader conventions (transformer.* keys, peft format)
+    from safetensors.torch import load_file
+
+    sd = load_file(str(tmp_path / "lora" / "pytorch_lora_weights.safetensors"))
+    assert sd and all(k.startswith("transformer.") for k in sd)
+    assert any("add_q_proj" in k for k in sd) and any("to_out.0" in k for k in sd)
+
+
+def test_kill_and_resume_matches_uninterrupted(tmp_path):
+    """A run stopped after iteration 2 and resumed from last.ckpt gives the same iteration-3 metrics."""
+    common = ["advantage=gain_ema", "train.updates_per_iter=2", "eval.max_prompts=4"]
+    full_dir, part_dir = tmp_path / "full", tmp_path / "part"
+    fit(full_dir, "loop.iterations=3", *common)
+    fit(part_dir, "loop.iterations=2", *common)
+    ckpt = part_dir / "checkpoints" / "last.ckpt"
+    assert ckpt.is_file()
+    fit(part_dir, "loop.iterations=3", f"ckpt_path={ckpt}", *common)
+    a = [r for r in read_metrics(full_dir) if r.get("train/reward_final")]
+    b = [r for r in read_metrics(part_dir) if r.get("train/reward_final")]
+    assert len(a) == len(b) == 3
+    for key in ["train/reward_final", "train/reward_mean", "train/ratio_mean", "train/policy_loss", "train/adv_abs_mean_step1"]:
+        assert float(a[2][key]) == pytest.approx(float(b[2][key]), rel=1e-5, abs=1e-7), key
+
+
+def _cli(*args: str, timeout: int = 240) -> subprocess.CompletedProcess:
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "WANDB_MODE": "offline", "PYTHONPATH": str(ROOT)}
+    return subprocess.run([sys.executable, "-m", "stepflow.train", *args], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["advantage=nope"], "advantage=nope"),
+    (["sampler=sdee"], "sampler=sdee"),
+    (["sampler.eta=-1"], "sampler.eta"),
+    (["advantage.std_scope=batch"], "std_scope"),
+    (["train.lr=0"], "train.lr"),
+    (["loop.frobnicate=1"], "frobnicate"),
+    (["data.train_file=/nonexistent/prompts.jsonl"], "data.train_file"),
+    (["ckpt_path=/nonexistent/last.ckpt"], "ckpt_path"),
+])
+def test_bad_overrides_give_one_line_errors(tmp_path, args, needle):
+    r = _cli("experiment=smoke", f"hydra.run.dir={tmp_path}", *args)
+    assert r.returncode != 0
+    err = r.stderr.strip().splitlines()
+    assert len(err) == 1, r.stderr[-2000:]
+    assert err[0].startswith("stepflow: error:") and needle in err[0], err[0]
+
+
+@pytest.mark.slow
+def test_ddp_two_processes_matches_one(tmp_path):
+    """2-process DDP on the CPU (gloo) gives the same rewards and advantages as 1 process for the same seeds."""
+    one, two = tmp_path / "one", tmp_path / "two"
+    common = ["experiment=smoke", "loop.iterations=1", "loop.dump_trajectories=true", "eval.max_prompts=2"]
+    r1 = _cli(*common, f"hydra.run.dir={one}")
+    assert r1.returncode == 0, r1.stderr[-3000:]
+    r2 = _cli(*common, "trainer=ddp_cpu", f"hydra.run.dir={two}", timeout=400)
+    assert r2.returncode == 0, r2.stderr[-3000:]
+    a = torch.load(one / "trajectories" / "iter_0000.pt")
+    b = torch.load(two / "trajectories" / "iter_0000.pt")
+    assert a["prompts"] == b["prompts"]
+    torch.testing.assert_close(a["rewards"], b["rewards"], atol=1e-5, rtol=0)
+    torch.testing.assert_close(a["advantages"], b["advantages"], atol=1e-4, rtol=0)
