@@ -1,0 +1,246 @@
+"""SD3Policy on the tiny random SD3 pipeline (fp32, CPU), loaded through the real loader.
+
+The key test: the policy's plain Euler ODE with CFG reproduces ``StableDiffusion3Pipeline.__call__``.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+pytest.importorskip("diffusers")
+
+from stepflow.policies.base import Cond  # noqa: E402
+from stepflow.policies.sd3 import ModelLoadError, SD3Policy  # noqa: E402
+from stepflow.policies.tiny import TINY_HEIGHT, save_tiny_sd3, tiny_sd3_policy  # noqa: E402
+
+PROMPTS = ["a photo of a cat", "a red dog on the square"]
+SEQ = 16  # T5 tokens: token states are 77 + 16 long
+H = TINY_HEIGHT
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    """Tiny models: intra-op threads only add contention (4x slower on a shared 2-core machine)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    return save_tiny_sd3(tmp_path_factory.mktemp("sd3_tiny"))
+
+
+@pytest.fixture(scope="module")
+def policy(tiny_dir):
+    return SD3Policy.from_pretrained(str(tiny_dir), dtype="float32", height=H, width=H, max_sequence_length=SEQ)
+
+
+def _grid(policy, n):
+    try:
+        return policy.time_grid(n)
+    except ImportError:  # stepflow.sde not there yet: the scheduler's sigmas are the same grid
+        from diffusers import FlowMatchEulerDiscreteScheduler
+
+        s = FlowMatchEulerDiscreteScheduler(shift=policy.shift)
+        s.set_timesteps(n)
+        return s.sigmas.float()
+
+
+@torch.no_grad()
+def _euler(policy, prompts, latents, steps, guidance):
+    """x_{k+1} = x_k + (τ_{k+1} − τ_k) · v(x_k, τ_k): the deterministic sampler on stepflow's grid."""
+    cond = policy.encode(prompts)
+    tau = _grid(policy, steps)
+    x = latents.clone().float()
+    for k in range(steps):
+        v = policy.velocity(x, tau[k], cond, guidance=guidance)
+        x = x + (tau[k + 1] - tau[k]) * v
+    return x
+
+
+def _pipe_latents(policy, prompts, latents, steps, guidance, output_type="latent"):
+    out = policy.pipe(prompts, num_inference_steps=steps, height=H, width=H, guidance_scale=guidance,
+                      max_sequence_length=SEQ, latents=latents.clone(), output_type=output_type)
+    return out.images
+
+
+def test_loaded_attributes(policy):
+    assert policy.latent_shape == (16, H // 8, H // 8)
+    assert policy.shift == 3.0 and policy.timestep_scale == 1000.0
+    assert policy.dtype == torch.float32
+    assert not any(p.requires_grad for m in [policy.vae, *policy.text_encoders] for p in m.parameters())
+    # the grid the policy uses is the scheduler's
+    s = policy.pipe.scheduler
+    s.set_timesteps(10)
+    assert torch.allclose(_grid(policy, 10), s.sigmas.float(), atol=1e-6)
+
+
+@pytest.mark.parametrize("guidance", [4.5, 1.0])
+def test_euler_ode_matches_pipeline(policy, guidance):
+    """The policy's ODE sampler == StableDiffusion3Pipeline.__call__ (same prompts, latents, steps, CFG)."""
+    steps = 4
+    latents = torch.randn(len(PROMPTS), *policy.latent_shape, generator=torch.Generator().manual_seed(1))
+    ours = _euler(policy, PROMPTS, latents, steps, guidance)
+    ref = _pipe_latents(policy, PROMPTS, latents, steps, guidance)
+    err = (ours - ref).abs().max().item()
+    print(f"max-abs ODE vs pipeline (guidance={guidance}): {err:.3e}")
+    assert err <= 1e-4
+    assert (ours - latents).abs().max() > 1e-2  # it actually moved
+    # the images too: decode(ours) == pipeline's "pt" output
+    img = _pipe_latents(policy, PROMPTS, latents, steps, guidance, output_type="pt")
+    with torch.no_grad():
+        ours_img = policy.decode(ours)
+    assert ours_img.shape == (2, 3, H, H) and ours_img.dtype == torch.float32
+    assert (ours_img - img).abs().max().item() <= 1e-4
+
+
+def test_cfg_changes_the_result(policy):
+    latents = torch.randn(2, *policy.latent_shape, generator=torch.Generator().manual_seed(2))
+    assert (_euler(policy, PROMPTS, latents, 2, 4.5) - _euler(policy, PROMPTS, latents, 2, 1.0)).abs().max() > 1e-3
+
+
+def test_encode_cache_and_negative(policy):
+    calls = []
+    hooks = [m.register_forward_hook(lambda *a: calls.append(1)) for m in policy.text_encoders]
+    try:
+        policy.clear_prompt_cache()
+        c1 = policy.encode(["a cat", "a dog", "a cat"])
+        n1 = len(calls)
+        assert n1 == 3  # one batch through each of the three encoders (duplicates encoded once)
+        c2 = policy.encode(["a dog", "a cat"])
+        assert len(calls) == n1  # cached: no encoder ran
+        neg1 = policy.negative_cond(3)
+        n2 = len(calls)
+        neg2 = policy.negative_cond(2)
+        assert len(calls) == n2  # negative computed once
+    finally:
+        for h in hooks:
+            h.remove()
+    assert isinstance(c1, Cond) and c1.tokens.shape == (3, 77 + SEQ, 32) and c1.pooled.shape == (3, 32)
+    assert torch.equal(c1.tokens[0], c1.tokens[2]) and torch.equal(c2.tokens[0], c1.tokens[1])
+    assert neg1.tokens.shape[0] == 3 and torch.equal(neg1.tokens[0], neg2.tokens[1])
+    # the cache holds what the pipeline's encode_prompt gives
+    ref, _, pooled, _ = policy.pipe.encode_prompt("a dog", None, None, do_classifier_free_guidance=False,
+                                                  max_sequence_length=SEQ)
+    assert torch.allclose(c2.tokens[0], ref[0]) and torch.allclose(c2.pooled[0], pooled[0])
+    assert not torch.allclose(c1.tokens[0], c1.tokens[1])
+
+
+def test_decode_matches_vae(policy):
+    z = torch.randn(3, *policy.latent_shape, generator=torch.Generator().manual_seed(3))
+    vae = policy.vae
+    with torch.no_grad():
+        ref = vae.decode(z / vae.config.scaling_factor + vae.config.shift_factor, return_dict=False)[0]
+        ref = policy.pipe.image_processor.postprocess(ref, output_type="pt")
+        policy.decode_batch_size = 2  # chunked decode gives the same
+        out = policy.decode(z)
+    assert out.shape == (3, 3, H, H) and 0 <= out.min() and out.max() <= 1
+    assert (out - ref).abs().max() < 1e-5
+
+
+def test_lora_targets_save_and_load_with_diffusers(tiny_dir, tmp_path):
+    pol = SD3Policy.from_pretrained(str(tiny_dir), dtype="float32", height=H, width=H, max_sequence_length=SEQ,
+                                    lora={"rank": 4, "alpha": 16.0})
+    names = {n for n, _ in pol.transformer.named_modules() if n.endswith("lora_A")}
+    for target in ["to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out"]:
+        assert any(n.endswith(f"attn.{target}.lora_A") for n in names), target
+    trainable = {n for n, p in pol.named_parameters() if p.requires_grad}
+    assert trainable and all("lora_" in n for n in trainable)
+    # make the adapter non-trivial (gaussian init has B = 0)
+    with torch.no_grad():
+        for p in pol.lora_parameters():
+            p.normal_(0.0, 0.2)
+    latents = torch.randn(2, *pol.latent_shape, generator=torch.Generator().manual_seed(4))
+    ours = _euler(pol, PROMPTS, latents, 3, 4.5)
+    with pol.disable_adapter():
+        base = _euler(pol, PROMPTS, latents, 3, 4.5)
+    assert (ours - base).abs().max() > 1e-3
+
+    pol.save_lora(tmp_path / "lora")
+    assert (tmp_path / "lora" / "pytorch_lora_weights.safetensors").is_file()
+    from diffusers import StableDiffusion3Pipeline
+
+    pipe = StableDiffusion3Pipeline.from_pretrained(str(tiny_dir))
+    pipe.set_progress_bar_config(disable=True)
+    pipe.load_lora_weights(str(tmp_path / "lora"))
+    ref = pipe(PROMPTS, num_inference_steps=3, height=H, width=H, guidance_scale=4.5, max_sequence_length=SEQ,
+               latents=latents.clone(), output_type="latent").images
+    assert (ours - ref).abs().max().item() <= 1e-4
+
+    # and back into a fresh policy through model.lora.path
+    pol2 = SD3Policy.from_pretrained(str(tiny_dir), dtype="float32", height=H, width=H, max_sequence_length=SEQ,
+                                     lora={"path": str(tmp_path / "lora")})
+    assert pol2.has_lora and all(p.requires_grad for p in pol2.lora_parameters())
+    assert (_euler(pol2, PROMPTS, latents, 3, 4.5) - ours).abs().max().item() <= 1e-4
+
+
+def test_tiny_config_builds_into_cache_and_loads(tmp_path, monkeypatch):
+    monkeypatch.setenv("STEPFLOW_CACHE", str(tmp_path))
+    pol = tiny_sd3_policy(dtype="float32", max_sequence_length=SEQ)
+    assert (tmp_path / "sd3_tiny-v1-s0" / "model_index.json").is_file()
+    assert isinstance(pol, SD3Policy) and pol.latent_shape == (16, H // 8, H // 8)
+    x = torch.randn(1, *pol.latent_shape)
+    v = pol.velocity(x, 0.5, pol.encode(["a cat"]))
+    assert v.shape == x.shape and v.dtype == torch.float32
+
+
+def test_bf16_weights_fp32_outputs(tiny_dir):
+    pol = SD3Policy.from_pretrained(str(tiny_dir), dtype="bfloat16", height=H, width=H, max_sequence_length=SEQ,
+                                    gradient_checkpointing=True, offload_text_encoders=True, lora={"rank": 2})
+    assert pol.dtype == torch.bfloat16 and pol.vae.dtype == torch.float32
+    assert pol.transformer.is_gradient_checkpointing
+    x = torch.randn(2, *pol.latent_shape)
+    cond = pol.encode(PROMPTS)
+    v = pol.velocity(x, torch.tensor([0.9, 0.3]), cond, guidance=4.5)
+    assert v.dtype == torch.float32 and torch.isfinite(v).all()
+    v.float().pow(2).mean().backward()  # grads reach the LoRA through checkpointed blocks
+    assert all(p.grad is not None for p in pol.lora_parameters())
+    assert pol.decode(x).dtype == torch.float32
+    pol.precache(["a blue circle"])
+    pol.free_text_encoders()
+    assert pol.encode(["a blue circle"]).tokens.shape[0] == 1
+    with pytest.raises(RuntimeError, match="precache"):
+        pol.encode(["never seen"])
+
+
+@pytest.mark.parametrize("path", ["/nonexistent/sd35", "stabilityai/not-a-real-model-xyz"])
+def test_bad_path_is_one_line_error(path, tmp_path):
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    with pytest.raises(ModelLoadError) as info:
+        SD3Policy.from_pretrained(path)
+    msg = str(info.value)
+    assert "\n" not in msg and path in msg and "model.path=" in msg
+    err = info.value
+    assert err.__cause__ is None and (err.__context__ is None or err.__suppress_context__)  # no chained traceback
+
+
+def test_dir_without_model_index_is_one_line_error(tmp_path):
+    with pytest.raises(ModelLoadError, match="model_index.json"):
+        SD3Policy.from_pretrained(str(tmp_path))
+
+
+def test_gpu_check_script_runs_tiny_on_cpu(tmp_path):
+    """experiments/gpu_check.py --tiny: rollout + estimates + reward + credit + update with stepflow's modules."""
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "experiments" / "gpu_check.py"
+    spec = importlib.util.spec_from_file_location("gpu_check", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    out = tmp_path / "gc.json"
+    rc = mod.main(["--tiny", "--device", "cpu", "--iters", "1", "--guidance", "4.5", "--batch", "4", "--group-size", "2",
+                   "--substeps", "2", "--json", str(out)])
+    assert rc == 0
+    res = json.loads(out.read_text())["results"]
+    assert [r["scheme"] for r in res] == ["uniform", "gain"]
+    uni, gain = res
+    assert uni["estimate_s"] < gain["estimate_s"] and uni["nfe_estimate"] == 0 and gain["nfe_estimate"] > 0
+    assert uni["images_scored"] == 4 and gain["images_scored"] == 4 * 3  # B final images vs B·(T+1)
+    assert all(r["finite"] and r["steps_trained"] >= 1 and r["grad_norm"] > 0 for r in res)
