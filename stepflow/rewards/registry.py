@@ -1,0 +1,74 @@
+"""Build a :class:`~stepflow.rewards.base.Reward` from a Hydra config (``conf/reward/<name>.yaml``).
+
+``build_reward(cfg)`` is ``hydra.utils.instantiate`` plus one thing: a reward that cannot load its weights raises a
+one-line :class:`RewardLoadError` (naming the id/path and the ``reward.<key>=/local/copy`` override) instead of
+Hydra's wrapped, multi-screen traceback.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+from stepflow.rewards.base import Reward
+from stepflow.rewards.errors import MalformedReplyError, RewardError, RewardLoadError, RewardServiceError
+
+__all__ = ["build_reward", "reward_config", "RewardLoadError", "RewardServiceError", "MalformedReplyError",
+           "CONF_DIR", "REWARD_NAMES"]
+
+#: the repository's Hydra config dir (``conf/``); rewards live in ``conf/reward/``
+CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
+
+#: the reward configs stepflow ships (``reward=<name>``)
+REWARD_NAMES = ("shapes_geneval", "pickscore", "clipscore", "hpsv2", "aesthetic", "imagereward", "ocr", "remote",
+                "geneval_server", "unifiedreward", "multi")
+
+
+def _find_reward_error(e: BaseException) -> RewardError | None:
+    seen = set()
+    while e is not None and id(e) not in seen:
+        if isinstance(e, RewardError):
+            return e
+        seen.add(id(e))
+        e = e.__cause__ or e.__context__
+    return None
+
+
+def reward_config(name: str, overrides: Sequence[str] = ()) -> Any:
+    """Compose ``conf/reward/<name>.yaml`` (with its defaults list) and ``reward.*`` overrides, e.g.
+    ``reward_config("pickscore", ["model_path=/models/PickScore_v1"])``."""
+    from hydra import compose, initialize_config_dir
+
+    ov = [f"+reward={name}"] + [o if o.startswith(("reward.", "+reward.", "~reward.")) else
+                                ("+" if o.startswith("+") else "") + "reward." + o.lstrip("+") for o in overrides]
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        return compose(config_name=None, overrides=ov).reward
+
+
+def build_reward(cfg: Any, overrides: Sequence[str] = ()) -> Reward:
+    """Instantiate a reward from a config node with ``_target_`` (DictConfig or dict), a reward name
+    (``"pickscore"``, composed from ``conf/reward``), or pass through an already built :class:`Reward`.
+
+    Raises :class:`RewardLoadError` (one line) when weights cannot be loaded.
+    """
+    if isinstance(cfg, Reward):
+        return cfg
+    if isinstance(cfg, str):
+        cfg = reward_config(cfg, overrides)
+    elif overrides:
+        raise ValueError("build_reward: overrides are only supported with a reward name")
+    if not isinstance(cfg, Mapping) and not hasattr(cfg, "_target_"):
+        raise TypeError(f"build_reward: expected a reward config with _target_, got {type(cfg).__name__}")
+    from hydra.errors import InstantiationException
+    from hydra.utils import instantiate
+
+    try:
+        reward = instantiate(cfg)
+    except InstantiationException as e:
+        inner = _find_reward_error(e)
+        if inner is not None:
+            raise inner from None
+        raise
+    if not isinstance(reward, Reward):
+        raise TypeError(f"build_reward: {cfg.get('_target_')} built a {type(reward).__name__}, not a Reward")
+    return reward

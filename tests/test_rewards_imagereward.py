@@ -1,0 +1,172 @@
+"""ImageReward on a tiny random BLIP: built from a med_config + ViT sizes, saved the way the official files are laid
+out (``ImageReward.pt`` state dict + ``med_config.json`` + a BERT ``vocab.txt``), loaded back through the reward's
+loading code, and checked against a step-by-step functional forward written here from the ImageReward/BLIP
+definitions: ViT (pre-norm, eps 1e-6) -> BERT with cross-attention (post-norm, -10000 padding mask) ->
+(MLP(h[CLS]) - 0.16717362830052426) / 1.0333394966054072."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from PIL import Image
+
+from stepflow.rewards.errors import RewardLoadError
+
+MEAN, STD = 0.16717362830052426, 1.0333394966054072
+WORDS = ["a", "photo", "of", "cat", "dog", "red", "cube", "on", "the", "table", "two", "##s", "sign", "open"]
+PROMPTS = ["a photo of a cat", "two red cubes on the table", "a sign", "xyzzy dogs"]  # "xyzzy" -> [UNK]
+MED = {"architectures": ["BertModel"], "attention_probs_dropout_prob": 0.1, "hidden_act": "gelu",
+       "hidden_dropout_prob": 0.1, "hidden_size": 32, "initializer_range": 0.02, "intermediate_size": 64,
+       "layer_norm_eps": 1e-12, "max_position_embeddings": 40, "model_type": "bert", "num_attention_heads": 4,
+       "num_hidden_layers": 2, "pad_token_id": 0, "type_vocab_size": 2, "vocab_size": 5 + len(WORDS) + 2,
+       "encoder_width": 768, "add_cross_attention": True}
+VIT = dict(img_size=32, patch_size=8, embed_dim=48, depth=2, num_heads=4)
+
+
+@pytest.fixture(scope="module")
+def ir_dir(tmp_path_factory):
+    from stepflow.rewards.blip import MedConfig
+    from stepflow.rewards.imagereward import ImageRewardModel
+
+    d = tmp_path_factory.mktemp("imagereward")
+    tok = tmp_path_factory.mktemp("bert_tok")
+    (tok / "vocab.txt").write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + WORDS) + "\n")
+    (d / "med_config.json").write_text(json.dumps(MED))
+    torch.manual_seed(0)
+    model = ImageRewardModel(MedConfig.from_dict(MED), VIT)
+    with torch.no_grad():  # make every parameter non-trivial (LayerNorms, biases, the head)
+        for p in model.parameters():
+            p.add_(0.1 * torch.randn_like(p))
+    sd = model.state_dict()
+    # keys the official checkpoint has but the score does not use: must be ignored
+    sd["blip.vision_proj.weight"] = torch.zeros(256, VIT["embed_dim"])
+    sd["blip.text_proj.weight"] = torch.zeros(256, MED["hidden_size"])
+    sd["blip.text_encoder.embeddings.position_ids"] = torch.arange(40)[None]
+    torch.save(sd, d / "ImageReward.pt")
+    return d, tok, {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def _ln(x, sd, p, eps):
+    return F.layer_norm(x, x.shape[-1:], sd[p + ".weight"], sd[p + ".bias"], eps)
+
+
+def _lin(x, sd, p):
+    return x @ sd[p + ".weight"].T + sd[p + ".bias"]
+
+
+def _attn(q_in, kv_in, sd, p, heads, mask):
+    q, k, v = _lin(q_in, sd, p + ".query"), _lin(kv_in, sd, p + ".key"), _lin(kv_in, sd, p + ".value")
+    split = lambda t: t.view(t.shape[0], t.shape[1], heads, -1).transpose(1, 2)  # noqa: E731
+    q, k, v = split(q), split(k), split(v)
+    a = (q @ k.transpose(-1, -2)) / math.sqrt(q.shape[-1]) + mask
+    return (a.softmax(-1) @ v).transpose(1, 2).reshape(q_in.shape[0], q_in.shape[1], -1)
+
+
+def _reference(sd, pix, ids, mask):
+    """The ImageReward forward, written out op by op on the raw state dict."""
+    # --- BLIP ViT (pre-norm blocks, LayerNorm eps 1e-6, exact GELU)
+    p = "blip.visual_encoder."
+    x = F.conv2d(pix, sd[p + "patch_embed.proj.weight"], sd[p + "patch_embed.proj.bias"], stride=VIT["patch_size"])
+    x = x.flatten(2).transpose(1, 2)
+    x = torch.cat([sd[p + "cls_token"].expand(x.shape[0], -1, -1), x], 1) + sd[p + "pos_embed"]
+    for i in range(VIT["depth"]):
+        b = f"{p}blocks.{i}."
+        h = _ln(x, sd, b + "norm1", 1e-6)
+        B, N, C = h.shape
+        qkv = _lin(h, sd, b + "attn.qkv").view(B, N, 3, VIT["num_heads"], C // VIT["num_heads"]).permute(2, 0, 3, 1, 4)
+        a = (qkv[0] @ qkv[1].transpose(-1, -2) * (C // VIT["num_heads"]) ** -0.5).softmax(-1) @ qkv[2]
+        x = x + _lin(a.transpose(1, 2).reshape(B, N, C), sd, b + "attn.proj")
+        x = x + _lin(F.gelu(_lin(_ln(x, sd, b + "norm2", 1e-6), sd, b + "mlp.fc1")), sd, b + "mlp.fc2")
+    img = _ln(x, sd, p + "norm", 1e-6)
+    # --- med BERT with cross-attention (post-norm), [CLS] kept as the first token
+    t = "blip.text_encoder."
+    eps = MED["layer_norm_eps"]
+    pos = sd[t + "embeddings.position_embeddings.weight"][: ids.shape[1]]
+    h = sd[t + "embeddings.word_embeddings.weight"][ids] + pos
+    h = _ln(h, sd, t + "embeddings.LayerNorm", eps)
+    self_mask = (1.0 - mask[:, None, None, :].float()) * -10000.0
+    for i in range(MED["num_hidden_layers"]):
+        L = f"{t}encoder.layer.{i}."
+        a = _attn(h, h, sd, L + "attention.self", MED["num_attention_heads"], self_mask)
+        h = _ln(_lin(a, sd, L + "attention.output.dense") + h, sd, L + "attention.output.LayerNorm", eps)
+        c = _attn(h, img, sd, L + "crossattention.self", MED["num_attention_heads"], 0.0)
+        h = _ln(_lin(c, sd, L + "crossattention.output.dense") + h, sd, L + "crossattention.output.LayerNorm", eps)
+        f = _lin(F.gelu(_lin(h, sd, L + "intermediate.dense")), sd, L + "output.dense")
+        h = _ln(f + h, sd, L + "output.LayerNorm", eps)
+    # --- head: Linear 768(here 32)->1024->128->64->16->1, no activations (dropout off at eval)
+    z = h[:, 0]
+    for j in (0, 2, 4, 6, 7):
+        z = _lin(z, sd, f"mlp.layers.{j}")
+    raw = z.squeeze(-1)
+    return (raw - MEAN) / STD, raw
+
+
+def _pixels(images):
+    """ImageReward's transform for square inputs: bicubic resize to 32, CenterCrop (no-op), CLIP mean/std."""
+    u8 = (images * 255).round().clamp(0, 255).to(torch.uint8).permute(0, 2, 3, 1).numpy()
+    mean = torch.tensor([0.48145466, 0.4578275, 0.40821073])[:, None, None]
+    std = torch.tensor([0.26862954, 0.26130258, 0.27577711])[:, None, None]
+    out = []
+    for a in u8:
+        im = Image.fromarray(a).resize((VIT["img_size"],) * 2, Image.BICUBIC)
+        out.append((torch.from_numpy(np.asarray(im).copy()).permute(2, 0, 1).float() / 255 - mean) / std)
+    return torch.stack(out)
+
+
+def test_imagereward_matches_stepwise_forward(ir_dir):
+    from transformers import BertTokenizer
+
+    from stepflow.rewards.imagereward import ImageReward
+
+    d, tokdir, sd = ir_dir
+    images = torch.rand(len(PROMPTS), 3, 48, 48, generator=torch.Generator().manual_seed(5))
+    r = ImageReward(model_path=str(d), tokenizer_path=str(tokdir), vit_num_heads=VIT["num_heads"], device="cpu")
+    out = r(images, PROMPTS)
+
+    tok = BertTokenizer.from_pretrained(str(tokdir))
+    enc = tok(PROMPTS, padding="max_length", truncation=True, max_length=35, return_tensors="pt")
+    assert (enc["input_ids"][:, 0] == tok.cls_token_id).all()  # ImageReward keeps [CLS] (BLIP-ITM swaps in [ENC])
+    with torch.no_grad():
+        expected, raw = _reference(sd, _pixels(images), enc["input_ids"], enc["attention_mask"])
+    assert out.scores.shape == (len(PROMPTS),)
+    torch.testing.assert_close(out.scores, expected, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(out.components["raw"], raw, rtol=1e-4, atol=1e-4)
+    assert out.scores.std() > 0.01
+    # ImageReward pads every prompt to 35 tokens
+    assert r.tokenize(PROMPTS)["input_ids"].shape == (len(PROMPTS), 35)
+    # the model's sizes were read from the checkpoint
+    assert r.model.vit_config["img_size"] == 32 and r.model.vit_config["depth"] == 2
+    assert r.model.med_config.encoder_width == VIT["embed_dim"]
+
+
+def test_imagereward_checkpoint_file_and_errors(ir_dir, tmp_path):
+    from stepflow.rewards.imagereward import ImageReward
+
+    d, tokdir, _ = ir_dir
+    images = torch.rand(2, 3, 32, 32, generator=torch.Generator().manual_seed(6))
+    a = ImageReward(model_path=str(d), tokenizer_path=str(tokdir), vit_num_heads=4, device="cpu")(images, PROMPTS[:2])
+    b = ImageReward(model_path=str(d / "ImageReward.pt"), med_config=str(d / "med_config.json"),
+                    tokenizer_path=str(tokdir), vit_num_heads=4, device="cpu")(images, PROMPTS[:2])
+    torch.testing.assert_close(a.scores, b.scores)
+
+    def err(**kw):
+        with pytest.raises(RewardLoadError) as ei:
+            ImageReward(**{"model_path": str(d), "tokenizer_path": str(tokdir), "vit_num_heads": 4, "device": "cpu",
+                           **kw})
+        assert "\n" not in str(ei.value), str(ei.value)
+        return str(ei.value)
+
+    assert str(tmp_path / "nope") in err(model_path=str(tmp_path / "nope"))
+    assert "reward.tokenizer_path" in err(tokenizer_path=str(tmp_path / "no_tok"))
+    assert "med_cfg.json" in err(med_config="med_cfg.json")
+    sd = torch.load(d / "ImageReward.pt")
+    del sd["mlp.layers.0.weight"]
+    torch.save(sd, tmp_path / "ImageReward.pt")
+    (tmp_path / "med_config.json").write_text(json.dumps(MED))
+    assert "mlp.layers.0.weight" in err(model_path=str(tmp_path))
+    assert "THUDM/ImageReward" in err(model_path="THUDM/ImageReward")  # offline hub id

@@ -1,0 +1,311 @@
+"""HTTP rewards against local servers on 127.0.0.1 in threads: the ``remote`` client (success, timeout -> retries ->
+RewardServiceError, retry-then-success, malformed replies, 4xx), ``unifiedreward`` against a fake OpenAI-compatible
+endpoint, and a ``stepflow.serve_reward`` round trip (client scores == local scores)."""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from stepflow.rewards.base import Reward, RewardOut
+from stepflow.rewards.errors import MalformedReplyError, RewardServiceError
+from stepflow.rewards.loading import to_uint8
+
+
+class FakeServer:
+    """A programmable JSON server: ``behave(n, path, headers, body) -> (status, obj_or_bytes, delay_s)``."""
+
+    def __init__(self, behave):
+        self.calls: list[dict] = []
+        outer = self
+
+        class H(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *a):
+                pass
+
+            def do_POST(self):  # noqa: N802
+                body = self.rfile.read(int(self.headers["Content-Length"]))
+                n = len(outer.calls)
+                outer.calls.append({"path": self.path, "headers": dict(self.headers), "body": json.loads(body)})
+                status, obj, delay = behave(n, self.path, self.headers, json.loads(body))
+                time.sleep(delay)
+                data = obj if isinstance(obj, bytes) else json.dumps(obj).encode()
+                try:
+                    self.send_response(status)
+                    self.send_header("Content-Type", "application/json")
+                    self.send_header("Content-Length", str(len(data)))
+                    self.end_headers()
+                    self.wfile.write(data)
+                except (BrokenPipeError, ConnectionResetError):
+                    pass
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), H)
+        self.httpd.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        self.thread = threading.Thread(target=self.httpd.serve_forever, args=(0.05,), daemon=True)
+
+    def __enter__(self):
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+def _decode(b64: str) -> np.ndarray:
+    return np.asarray(Image.open(io.BytesIO(base64.b64decode(b64))).convert("RGB"))
+
+
+def _mean_reply(n, path, headers, body):
+    """A well-behaved server: score = mean pixel of each image / 255, component = the prompt length."""
+    scores = [float(_decode(s).mean() / 255) for s in body["images"]]
+    return 200, {"scores": scores, "components": {"len": [float(len(p)) for p in body["prompts"]]}}, 0.0
+
+
+def _images(b=5, seed=0):
+    return torch.rand(b, 3, 16, 16, generator=torch.Generator().manual_seed(seed))
+
+
+def _client(url, **kw):
+    from stepflow.rewards.remote import RemoteReward
+
+    r = RemoteReward(url=url, **{"timeout_s": 5, "max_retries": 2, "backoff_s": 0.01, **kw})
+    r.sleeps = []
+    r._sleep = r.sleeps.append  # record the backoff schedule instead of sleeping
+    return r
+
+
+# ------------------------------------------------------------------ remote client
+
+
+def test_remote_success_batches_and_meta():
+    imgs, prompts = _images(5), ["a", "bb", "ccc", "dddd", "eeeee"]
+    meta = [{"i": i, "t": torch.tensor([i, i])} for i in range(5)]  # tensors are sent as lists
+    with FakeServer(_mean_reply) as srv:
+        out = _client(srv.url, request_batch_size=2, concurrency=2)(imgs, prompts, meta)
+    expected = torch.from_numpy(to_uint8(imgs).reshape(5, -1).mean(1) / 255).float()  # lossless PNG
+    torch.testing.assert_close(out.scores, expected)
+    torch.testing.assert_close(out.components["len"], torch.tensor([1.0, 2, 3, 4, 5]))
+    assert len(srv.calls) == 3  # 2 + 2 + 1
+    sent = sorted((c["body"]["prompts"], c["body"]["meta"]) for c in srv.calls)
+    assert sent[0] == (["a", "bb"], [{"i": 0, "t": [0, 0]}, {"i": 1, "t": [1, 1]}])
+
+
+def test_remote_timeout_retries_then_raises():
+    with FakeServer(lambda *a: (200, {"scores": [0.0]}, 1.0)) as srv:
+        r = _client(srv.url, timeout_s=0.2, max_retries=2, backoff_s=0.05)
+        with pytest.raises(RewardServiceError) as ei:
+            r(_images(1), ["x"])
+    msg = str(ei.value)
+    assert "\n" not in msg and "3 attempt" in msg and "timeout" in msg and srv.url in msg
+    assert len(srv.calls) == 3
+    assert r.sleeps == [0.05, 0.1]  # backoff_s * 2^k
+
+
+def test_remote_retry_then_success():
+    def flaky(n, *a):
+        return (503, {"error": "warming up"}, 0.0) if n < 3 else _mean_reply(n, *a)
+
+    with FakeServer(flaky) as srv:
+        r = _client(srv.url, max_retries=5, backoff_s=0.5, max_backoff_s=1.8)
+        out = r(_images(2), ["a", "b"])
+    assert len(srv.calls) == 4 and out.scores.shape == (2,)
+    assert r.sleeps == [0.5, 1.0, 1.8]  # 0.5 * 2^k, capped by max_backoff_s
+
+
+def test_remote_connection_refused_is_retried():
+    with FakeServer(_mean_reply) as srv:
+        url = srv.url
+    r = _client(url, max_retries=1)
+    with pytest.raises(RewardServiceError, match="connection failed"):
+        r(_images(1), ["x"])
+    assert r.sleeps == [0.01]
+
+
+@pytest.mark.parametrize("reply,needle", [
+    ({"score": [1.0]}, "'scores'"),                          # wrong key
+    ({"scores": [1.0, 2.0]}, "'scores' is a list of 2"),     # wrong length
+    ({"scores": ["high"]}, "'scores'"),                      # not numbers
+    ({"scores": [1.0], "components": {"c": [1, 2]}}, "components.c"),
+    (b"<html>oops</html>", "non-JSON"),
+])
+def test_remote_malformed_reply_is_a_clear_error(reply, needle):
+    with FakeServer(lambda *a: (200, reply, 0.0)) as srv:
+        with pytest.raises(MalformedReplyError) as ei:
+            _client(srv.url)(_images(1), ["x"])
+    msg = str(ei.value)
+    assert needle in msg and "expected" in msg and "\n" not in msg
+    assert len(srv.calls) == 1  # not retried
+
+
+def test_remote_client_error_is_not_retried():
+    with FakeServer(lambda *a: (400, {"error": "prompts must be strings"}, 0.0)) as srv:
+        with pytest.raises(RewardServiceError, match="HTTP 400: prompts must be strings"):
+            _client(srv.url)(_images(1), ["x"])
+    assert len(srv.calls) == 1
+
+
+# ------------------------------------------------------------------ unifiedreward
+
+
+def _chat_reply(text):
+    return {"id": "x", "object": "chat.completion", "choices": [{"index": 0, "message": {"role": "assistant",
+                                                                                           "content": text}}]}
+
+
+def _unified(url, **kw):
+    from stepflow.rewards.unifiedreward import UnifiedReward
+
+    r = UnifiedReward(base_url=url, **{"image_size": 16, "timeout_s": 5, "max_retries": 2, "backoff_s": 0.01,
+                                       "concurrency": 3, **kw})
+    r._sleep = lambda s: None
+    return r
+
+
+def test_unifiedreward_request_and_score():
+    from stepflow.rewards.unifiedreward import PAPER_PROMPT
+
+    def judge(n, path, headers, body):
+        caption = body["messages"][0]["content"][1]["text"].rsplit("[", 1)[1].rstrip("]")
+        return 200, _chat_reply(f"The image is fine.\nFinal Score: {len(caption)}"), 0.0
+
+    prompts = ["a", "abc", "abcde", "abcd"]
+    with FakeServer(judge) as srv:
+        out = _unified(srv.url + "/v1")(_images(4, seed=3), prompts)  # a base_url ending in /v1 is accepted
+    torch.testing.assert_close(out.scores, torch.tensor([1.0, 3, 5, 4]) / 5)  # Final Score / 5
+    torch.testing.assert_close(out.components["raw"], torch.tensor([1.0, 3, 5, 4]))
+    captions = sorted(c["body"]["messages"][0]["content"][1]["text"].rsplit("Text Caption: ", 1)[1] for c in srv.calls)
+    assert captions == sorted(f"[{p}]" for p in prompts)  # one request per image, caption in brackets
+    call = srv.calls[0]
+    assert call["path"] == "/v1/chat/completions"
+    assert call["headers"]["Authorization"] == "Bearer flowgrpo"
+    body = call["body"]
+    assert body["model"] == "UnifiedReward-7b-v1.5" and body["temperature"] == 0.0
+    img, txt = body["messages"][0]["content"]
+    assert img["type"] == "image_url" and img["image_url"]["url"].startswith("data:image/png;base64,")
+    assert _decode(img["image_url"]["url"].split(",", 1)[1]).shape == (16, 16, 3)
+    assert txt["type"] == "text" and txt["text"].startswith("<image>\n" + PAPER_PROMPT)
+    assert "Final Score:" in PAPER_PROMPT and "1 to 5" in PAPER_PROMPT
+
+
+def test_unifiedreward_failures():
+    with FakeServer(lambda *a: (200, {"choices": []}, 0.0)) as srv:
+        with pytest.raises(MalformedReplyError, match="choices"):
+            _unified(srv.url)(_images(1), ["x"])
+    with FakeServer(lambda *a: (200, _chat_reply("I like it a lot."), 0.0)) as srv:
+        with pytest.raises(MalformedReplyError, match="Final Score"):
+            _unified(srv.url)(_images(1), ["x"])
+        assert _unified(srv.url, on_missing_score="zero")(_images(1), ["x"]).scores.item() == 0.0
+    with FakeServer(lambda n, *a: (500, {}, 0.0) if n == 0 else (200, _chat_reply("**Final Score:** 3.5"), 0.0)) as s:
+        assert _unified(s.url)(_images(1), ["x"]).scores.item() == pytest.approx(0.7)  # retried once
+    with FakeServer(lambda *a: (502, {}, 0.0)) as srv:
+        with pytest.raises(RewardServiceError, match="3 attempt"):
+            _unified(srv.url)(_images(1), ["x"])
+
+
+def test_parse_final_score():
+    from stepflow.rewards.unifiedreward import parse_final_score
+
+    assert parse_final_score("blah\nFinal Score: 4") == 4.0
+    assert parse_final_score("Final Score:3.25 because") == 3.25
+    assert parse_final_score("**Final Score**: 2") == 2.0
+    assert parse_final_score("Score: 4") is None
+
+
+# ------------------------------------------------------------------ serve_reward round trip
+
+
+class QuantizedMean(Reward):
+    """A tiny deterministic reward with a component (what it sees is uint8-rounded, like every real reward)."""
+
+    name = "qmean"
+    batch_size = 3
+
+    def score(self, images, prompts, meta):
+        u8 = torch.from_numpy(to_uint8(images)).float()
+        s = u8.mean(dim=(1, 2, 3)) / 255 + torch.tensor([len(p) for p in prompts]) * 0.01
+        extra = torch.tensor([float(m["k"]) if m else -1.0 for m in (meta or [None] * len(prompts))])
+        return RewardOut(s, {"red": u8[..., 0].mean(dim=(1, 2)) / 255, "meta_k": extra})
+
+
+class Boom(Reward):
+    name = "boom"
+
+    def score(self, images, prompts, meta):
+        raise RuntimeError("model fell over")
+
+
+def _serve(reward):
+    from stepflow.serve_reward import make_server
+
+    srv = make_server(reward, "127.0.0.1", 0)
+    threading.Thread(target=srv.serve_forever, args=(0.05,), daemon=True).start()
+    return srv, f"http://127.0.0.1:{srv.server_address[1]}"
+
+
+def test_serve_reward_round_trip():
+    import urllib.request
+
+    local = QuantizedMean()
+    srv, url = _serve(local)
+    try:
+        imgs, prompts = _images(7, seed=4), [f"p{'x' * i}" for i in range(7)]
+        meta = [{"k": i} for i in range(7)]
+        remote = _client(url, request_batch_size=4)(imgs, prompts, meta)
+        mine = local(imgs, prompts, meta)
+        torch.testing.assert_close(remote.scores, mine.scores)
+        assert set(remote.components) == {"red", "meta_k"}
+        for k in mine.components:
+            torch.testing.assert_close(remote.components[k], mine.components[k])
+        with urllib.request.urlopen(url + "/health", timeout=5) as resp:
+            assert json.loads(resp.read()) == {"status": "ok", "reward": "qmean"}
+        # a bad request is a 400 with a one-line reason (not retried)
+        from stepflow.rewards.remote import post_json
+
+        with pytest.raises(RewardServiceError, match="HTTP 400: 2 images but 1 prompts"):
+            post_json(url, {"images": ["", ""], "prompts": ["a"]}, timeout_s=5, max_retries=3, backoff_s=0)
+    finally:
+        srv.shutdown()
+        srv.server_close()
+
+
+def test_serve_reward_failure_is_a_500():
+    srv, url = _serve(Boom())
+    try:
+        r = _client(url, max_retries=1)
+        with pytest.raises(RewardServiceError, match="HTTP 500: RuntimeError: model fell over"):
+            r(_images(1), ["x"])
+    finally:
+        srv.shutdown()
+        srv.server_close()
+
+
+def test_serve_reward_config_composes():
+    """conf/serve_reward.yaml + a reward group option builds; the reward option is mandatory."""
+    from hydra import compose, initialize_config_dir
+    from hydra.errors import ConfigCompositionException
+
+    from stepflow.rewards.ocr import OCRReward
+    from stepflow.rewards.registry import CONF_DIR, build_reward
+
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        cfg = compose("serve_reward", overrides=["reward=ocr", "reward.engine=builtins:str", "port=0"])
+        with pytest.raises(ConfigCompositionException, match="You must specify 'reward'"):
+            compose("serve_reward")
+    assert cfg.host == "127.0.0.1" and cfg.port == 0
+    assert isinstance(build_reward(cfg.reward), OCRReward)
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        g = compose("serve_reward", overrides=["reward=geneval_server"]).reward
+    assert g.url == "http://127.0.0.1:18085" and g._target_ == "stepflow.rewards.remote.RemoteReward"
