@@ -168,10 +168,10 @@ def test_load_errors_are_one_line_and_name_the_path(tiny_clip_dir, tmp_path):
     empty.mkdir()
     _one_line_error(lambda: PickScore(model_path=tiny_clip_dir, processor_path=str(empty), device="cpu"),
                     str(empty), "reward.processor_path=")
-    # offline hub id (HF_HUB_OFFLINE=1 in conftest): fails at once, names the id and the override
+    # a hub id that is not cached (HF_HUB_OFFLINE=1 in conftest): fails at once, names the id and the override
     msg = _one_line_error(lambda: build_reward({"_target_": "stepflow.rewards.clip_based.PickScore",
-                                                "model_path": "yuvalkirstain/PickScore_v1"}),
-                          "yuvalkirstain/PickScore_v1", "reward.model_path=/local/dir")
+                                                "model_path": "stepflow-test/no-such-pickscore"}),
+                          "stepflow-test/no-such-pickscore", "reward.model_path=/local/dir")
     assert "hf download" in msg
     # through Hydra: the one-line error, not an InstantiationException
     _one_line_error(lambda: build_reward("aesthetic", [f"clip_path={tiny_clip_dir}",

@@ -71,6 +71,6 @@ def test_hpsv2_load_errors(hps_ckpt, tmp_path):
     with pytest.raises(RewardLoadError) as ei:
         HPSv2(checkpoint=str(tmp_path / "wrong.pt"), arch=ARCH, device="cpu")
     assert "\n" not in str(ei.value) and "wrong.pt" in str(ei.value) and "reward.checkpoint" in str(ei.value)
-    with pytest.raises(RewardLoadError) as ei:  # offline hub id
-        HPSv2(arch=ARCH, device="cpu")
-    assert "xswu/HPSv2" in str(ei.value) and "HPS_v2.1_compressed.pt" in str(ei.value)
+    with pytest.raises(RewardLoadError) as ei:  # a hub id that is not cached (offline)
+        HPSv2(checkpoint="stepflow-test/no-such-hps", arch=ARCH, device="cpu")
+    assert "stepflow-test/no-such-hps" in str(ei.value) and "HPS_v2.1_compressed.pt" in str(ei.value)

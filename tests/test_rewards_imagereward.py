@@ -169,4 +169,4 @@ def test_imagereward_checkpoint_file_and_errors(ir_dir, tmp_path):
     torch.save(sd, tmp_path / "ImageReward.pt")
     (tmp_path / "med_config.json").write_text(json.dumps(MED))
     assert "mlp.layers.0.weight" in err(model_path=str(tmp_path))
-    assert "THUDM/ImageReward" in err(model_path="THUDM/ImageReward")  # offline hub id
+    assert "stepflow-test/no-such-ir" in err(model_path="stepflow-test/no-such-ir")  # uncached hub id, offline
