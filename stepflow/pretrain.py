@@ -220,13 +220,20 @@ def _first_per_category(recs, k: int) -> list[int]:
 
 # ------------------------------------------------------------------------------------------------------------ select
 def select_checkpoint(rows: list[dict[str, Any]], target: float = 0.5, low: float = 0.3, high: float = 0.7,
-                      min_category: float = 0.05) -> dict[str, Any] | None:
-    """The evaluated checkpoint to ship: overall in [low, high], every category > min_category, overall closest to
-    ``target`` (ties: the later step). None if no row qualifies."""
+                      min_category: float = 0.05, tolerance: float | None = None) -> dict[str, Any] | None:
+    """The evaluated checkpoint to ship, or None if no row qualifies.
+
+    Qualifying rows have the overall score in ``[low, high]`` and every category above ``min_category``. With a
+    ``tolerance``, the *latest* qualifying row within ``target +- tolerance`` wins (the most trained model that still
+    leaves room for RL); otherwise (or if none is that close) the row closest to ``target`` (ties: later step)."""
     ok = [r for r in rows if low <= r["geneval"] <= high
           and all(v > min_category for k, v in r.items() if k.startswith("geneval_"))]
     if not ok:
         return None
+    if tolerance is not None:
+        close = [r for r in ok if abs(r["geneval"] - target) <= float(tolerance)]
+        if close:
+            return max(close, key=lambda r: r["step"])
     return min(ok, key=lambda r: (abs(r["geneval"] - target), -r["step"]))
 
 
@@ -281,8 +288,7 @@ def run(cfg) -> dict[str, Any]:
     from lightning.pytorch.loggers import CSVLogger
     from omegaconf import OmegaConf
 
-    from stepflow.evaluation import evaluate_geneval, format_table
-    from stepflow.policies.shapes import ShapesPolicy, default_asset_dir, world_vocab
+    from stepflow.policies.shapes import world_vocab
 
     out = Path(cfg.out_dir).resolve()
     out.mkdir(parents=True, exist_ok=True)
@@ -319,61 +325,97 @@ def run(cfg) -> dict[str, Any]:
     log.info("trained %d steps in %.0f s", steps, train_time)
     summary: dict[str, Any] = {"steps": steps, "train_time_s": round(train_time, 1), "parameters": n_params,
                                "history": module.history}
-
-    # ---- final selection on the full evaluation set
-    s = cfg.select
-    if module.history and s.get("enabled", True):
-        from stepflow.shapes import load_prompts
-
-        from stepflow.evaluation import balanced_subset
-
-        recs = balanced_subset(load_prompts(cfg.eval.get("split", "eval")), s.get("rescore_max_prompts"))
-        rows = []
-        cands = sorted(module.history, key=lambda r: abs(r["geneval"] - float(s.target)))[: int(s.rescore_top_k)]
-        for h in sorted(cands, key=lambda r: r["step"]):
-            pol = ShapesPolicy.from_pretrained(h["path"])
-            table, _, _ = evaluate_geneval(pol, recs, num_steps=int(cfg.eval.num_steps),
-                                           guidance=float(cfg.eval.guidance), seed=int(cfg.eval.seed))
-            rows.append({"step": h["step"], "path": h["path"], "train_time_s": h["train_time_s"],
-                         "num_prompts": len(recs), "num_steps": int(cfg.eval.num_steps), "seed": int(cfg.eval.seed),
-                         **table})
-            log.info("full eval of step %d: %s", h["step"], json.dumps({k: round(v, 4) for k, v in table.items()}))
-        (out / "full_evals.json").write_text(json.dumps(rows, indent=1))
-        best = select_checkpoint(rows, float(s.target), float(s.low), float(s.high), float(s.min_category))
-        summary["full_evals"] = rows
-        if best is None:
-            log.warning("no checkpoint satisfies the selection window %s; nothing selected", dict(s))
-        else:
-            sel = out / "selected"
-            if sel.exists():
-                shutil.rmtree(sel)
-            shutil.copytree(best["path"], sel)
-            summary["selected"] = best
-            log.info("selected step %d:\n%s", best["step"], format_table({k: v for k, v in best.items()
-                                                                          if k.startswith("geneval")}))
-            extra = {"seed": int(cfg.seed), "selected step": best["step"], "steps trained": steps,
-                     "training time to the selected step (s)": best["train_time_s"],
-                     "total training time (s)": round(train_time, 1), "batch size": int(cfg.data.batch_size),
-                     "optimizer": json.dumps(OmegaConf.to_container(cfg.optim)),
-                     "objective": json.dumps(OmegaConf.to_container(cfg.objective)),
-                     "EMA decay": float(cfg.ema.decay), "prompt dropout": float(cfg.data.empty_prompt_prob),
-                     "data": "fresh `sample_prompt` prompts of all six categories, rendered on the fly",
-                     "machine": f"CPU, {torch.get_num_threads()} torch threads"}
-            cfg_json = json.loads((sel / "config.json").read_text())
-            cfg_json["meta"] = {**cfg_json.get("meta", {}), "eval_full": {k: v for k, v in best.items()
-                                                                         if k.startswith("geneval")}, **extra}
-            (sel / "config.json").write_text(json.dumps(cfg_json, indent=1) + "\n")
-            card_cfg = {k: v for k, v in cfg_json.items() if k not in ("vocab", "meta")}
-            card_cfg["vocab_size"] = len(cfg_json["vocab"])
-            write_card(sel / "README.md", card_cfg, best, module.history, n_params, extra)
-            if cfg.get("export"):
-                dest = Path(cfg.export_dir) if cfg.get("export_dir") else default_asset_dir()
-                dest.mkdir(parents=True, exist_ok=True)
-                for f in ("config.json", "model.safetensors", "README.md"):
-                    shutil.copy2(sel / f, dest / f)
-                summary["exported_to"] = str(dest)
-                log.info("exported to %s", dest)
+    summary.update(finalize(cfg, out, module.history, steps, train_time, n_params))
     (out / "summary.json").write_text(json.dumps(summary, indent=1, default=str))
+    return summary
+
+
+def read_history(run_dir: str | Path) -> list[dict[str, Any]]:
+    """The periodic evaluations of a pretraining run (``evals.jsonl``)."""
+    f = Path(run_dir) / "evals.jsonl"
+    if not f.is_file():
+        raise FileNotFoundError(f"finalize_only: {f} not found (not a stepflow.pretrain run dir?)")
+    return [json.loads(line) for line in f.read_text().splitlines() if line.strip()]
+
+
+def finalize(cfg, out: Path, history: list[dict[str, Any]], steps: int, train_time: float,
+             n_params: dict[str, int]) -> dict[str, Any]:
+    """Re-score candidate EMA checkpoints on the (full) evaluation set, select one (:func:`select_checkpoint`), write
+    ``selected/`` with a model card and, with ``export=true``, copy it to the package assets."""
+    from omegaconf import OmegaConf
+
+    from stepflow.evaluation import balanced_subset, evaluate_geneval, format_table
+    from stepflow.policies.shapes import ShapesPolicy, default_asset_dir
+    from stepflow.shapes import load_prompts
+
+    s = cfg.select
+    summary: dict[str, Any] = {}
+    if not history or not s.get("enabled", True):
+        return summary
+    recs = balanced_subset(load_prompts(cfg.eval.get("split", "eval")), s.get("rescore_max_prompts"))
+    margin = float(s.get("rescore_margin", 0.1))
+    near = [h for h in history if float(s.low) - margin <= h["geneval"] <= float(s.high) + margin]
+    cands = sorted(near, key=lambda r: r["step"])[-int(s.rescore_top_k):]
+    rows = []
+    for h in cands:
+        pol = ShapesPolicy.from_pretrained(h["path"])
+        table, _, _ = evaluate_geneval(pol, recs, num_steps=int(cfg.eval.num_steps),
+                                       guidance=float(cfg.eval.guidance), seed=int(cfg.eval.seed))
+        rows.append({"step": h["step"], "path": h["path"], "train_time_s": h["train_time_s"],
+                     "num_prompts": len(recs), "num_steps": int(cfg.eval.num_steps), "seed": int(cfg.eval.seed),
+                     "shift": pol.shift, **table})
+        log.info("full eval of step %d: %s", h["step"], json.dumps({k: round(v, 4) for k, v in table.items()}))
+    (out / "full_evals.json").write_text(json.dumps(rows, indent=1))
+    summary["full_evals"] = rows
+    best = select_checkpoint(rows, float(s.target), float(s.low), float(s.high), float(s.min_category),
+                             tolerance=s.get("tolerance"))
+    if best is None:
+        log.warning("no checkpoint satisfies the selection window %s; nothing selected", dict(s))
+        return summary
+    sel = out / "selected"
+    if sel.exists():
+        shutil.rmtree(sel)
+    shutil.copytree(best["path"], sel)
+    summary["selected"] = best
+    log.info("selected step %d:\n%s", best["step"], format_table({k: v for k, v in best.items()
+                                                                  if k.startswith("geneval")}))
+    extra = {"seed": int(cfg.seed), "selected step": best["step"], "steps trained": steps,
+             "training time to the selected step (s)": best["train_time_s"],
+             "total training time (s)": round(train_time, 1), "batch size": int(cfg.data.batch_size),
+             "optimizer": json.dumps(OmegaConf.to_container(cfg.optim)),
+             "objective": json.dumps(OmegaConf.to_container(cfg.objective)),
+             "EMA decay": float(cfg.ema.decay), "prompt dropout": float(cfg.data.empty_prompt_prob),
+             "data": "fresh `sample_prompt` prompts of all six categories (round-robin), rendered on the fly",
+             "selection": json.dumps(OmegaConf.to_container(s)),
+             "machine": f"shared 2-core CPU, {cfg.get('torch_threads') or 'default'} torch thread(s)",
+             "command": "python -m stepflow.pretrain export=true"}
+    cfg_json = json.loads((sel / "config.json").read_text())
+    cfg_json["meta"] = {**cfg_json.get("meta", {}), "eval_full": {k: v for k, v in best.items()
+                                                                 if k.startswith("geneval")}, **extra}
+    (sel / "config.json").write_text(json.dumps(cfg_json, indent=1) + "\n")
+    card_cfg = {k: v for k, v in cfg_json.items() if k not in ("vocab", "meta")}
+    card_cfg["vocab_size"] = len(cfg_json["vocab"])
+    write_card(sel / "README.md", card_cfg, best, history, n_params, extra)
+    if cfg.get("export"):
+        dest = Path(cfg.export_dir) if cfg.get("export_dir") else default_asset_dir()
+        dest.mkdir(parents=True, exist_ok=True)
+        for f in ("config.json", "model.safetensors", "README.md"):
+            shutil.copy2(sel / f, dest / f)
+        summary["exported_to"] = str(dest)
+        log.info("exported to %s", dest)
+    return summary
+
+
+def finalize_run_dir(cfg, run_dir: str | Path) -> dict[str, Any]:
+    """Selection/export only, from an existing run dir (``finalize_only=<run dir>``): no training."""
+    from stepflow.policies.shapes import ShapesPolicy
+
+    run_dir = Path(run_dir).resolve()
+    history = read_history(run_dir)
+    last = history[-1]
+    n_params = ShapesPolicy.from_pretrained(last["path"]).num_parameters()
+    summary = finalize(cfg, run_dir, history, int(last["step"]), float(last["train_time_s"]), n_params)
+    (run_dir / "finalize_summary.json").write_text(json.dumps(summary, indent=1, default=str))
     return summary
 
 
@@ -388,7 +430,10 @@ def _main():
             if not cfg.get("out_dir"):
                 cfg.out_dir = HydraConfig.get().runtime.output_dir
         log.info("config:\n%s", OmegaConf.to_yaml(cfg))
-        run(cfg)
+        if cfg.get("finalize_only"):
+            finalize_run_dir(cfg, cfg.finalize_only)
+        else:
+            run(cfg)
 
     main()
 

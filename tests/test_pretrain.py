@@ -45,6 +45,7 @@ def test_select_checkpoint():
     row = lambda s, g, lo=0.2: {"step": s, "geneval": g, **{f"geneval_{c}": lo for c in cats}}  # noqa: E731
     rows = [row(100, 0.2), row(200, 0.45), row(300, 0.58), row(400, 0.52, lo=0.0), row(500, 0.8)]
     assert select_checkpoint(rows)["step"] == 200  # 400 is closer but has a category at 0
+    assert select_checkpoint(rows, tolerance=0.1)["step"] == 300  # the latest one within 0.5 +- 0.1
     assert select_checkpoint([row(1, 0.9)]) is None
 
 
