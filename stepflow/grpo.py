@@ -54,6 +54,7 @@ class OptimConfig:
     timestep_fraction: float = 1.0  #: train only the first int(T·fraction) steps (Flow-GRPO: 0.99 → 9 of 10)
     micro_batch_size: int = 32  #: samples per forward/backward
     updates_per_iter: int = 1  #: optimizer steps per rollout batch (1 = on-policy; Flow-GRPO uses 2)
+    on_policy: bool = False  #: force one optimizer step per rollout (ratio = 1: the KL-regularised policy gradient)
     drop_zero_adv: bool = True  #: skip samples whose advantages are 0 at every step
     distill_weight: str = "relu"  #: distill only: relu | signed | exp
     distill_temperature: float = 1.0
@@ -72,6 +73,8 @@ class OptimConfig:
         if self.micro_batch_size < 1 or self.updates_per_iter < 1:
             raise ValueError("micro_batch_size / updates_per_iter: must be >= 1")
         self.betas = tuple(self.betas)
+        if self.on_policy:
+            self.updates_per_iter = 1
 
 
 @dataclass
@@ -188,6 +191,7 @@ class GRPOModule(L.LightningModule):
         self.lora_ema = LoraEMA(self.policy.lora_parameters(), ema.decay, ema.update_every) if ema.enabled else None
         self.history: list[dict[str, float]] = []
         self._pbar = None
+        self.stop_reason: str | None = None
         self.csv = MetricsCSV(self.run_dir / "metrics.csv") if write_csv else None
 
     # ------------------------------------------------------------------ Lightning plumbing
@@ -234,6 +238,24 @@ class GRPOModule(L.LightningModule):
         else:
             loss.backward()
 
+    def _all_sum(self, x: float) -> float:
+        t = torch.tensor([x], device=self.device)
+        torch.distributed.all_reduce(t)
+        return float(t)
+
+    def _all_reduce_grads(self) -> None:
+        """Sum the LoRA gradients over ranks (each rank's loss terms are already weighted by the global row count;
+        DDP's own reducer is off because we call backward many times per optimizer step)."""
+        for p in self.policy.lora_parameters():
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            torch.distributed.all_reduce(p.grad)
+
+    def _disable_ddp_sync(self) -> None:
+        model = getattr(self.trainer.strategy, "model", None)
+        if model is not None and hasattr(model, "require_backward_grad_sync"):
+            model.require_backward_grad_sync = False
+
     def _world(self) -> tuple[int, int]:
         if self._trainer is None:
             return 0, 1
@@ -260,11 +282,22 @@ class GRPOModule(L.LightningModule):
     def on_train_end(self) -> None:
         if self._pbar is not None:
             self._pbar.close()
-        if self.global_rank == 0:
+        if self.global_rank == 0 and self.stop_reason is None:
             self.save_outputs()
 
     def training_step(self, batch: Any, batch_idx: int) -> None:
-        metrics = self.iterate()
+        if self.trainer.world_size > 1:
+            self._disable_ddp_sync()  # gradients are all-reduced by hand in update()
+        try:
+            metrics = self.iterate()
+        except Exception as e:  # a remote reward that stays down: stop cleanly, last.ckpt stays usable
+            from stepflow.rewards.errors import RewardServiceError
+
+            if not isinstance(e, RewardServiceError):
+                raise
+            self.stop_reason = f"reward service failed at iteration {self.iteration}: {e}; resume with ckpt_path=<run dir>/checkpoints/last.ckpt"
+            self.trainer.should_stop = True
+            return None
         if self._pbar is not None:
             self._pbar.update(1)
             self._pbar.set_postfix(reward=f"{metrics['train/reward_final']:.3f}", kl=f"{metrics.get('train/kl', 0):.2e}")
@@ -377,21 +410,32 @@ class GRPOModule(L.LightningModule):
         times = traj.times.to(self.device)
         stats: dict[str, list[float]] = {}
         nfe = 0
+        rank, world = self._world()
+        if world > 1:  # the same number of optimizer steps on every rank (a rank may hold no rows of a chunk)
+            chunks = list(rows.tensor_split(o.updates_per_iter))
+        if not steps:  # e.g. the ODE sampler: no step has a density, nothing to train
+            chunks = []
         pol.train()
         for chunk in chunks:
+            n_global = self._all_sum(float(len(chunk))) if world > 1 else float(len(chunk))
+            if n_global == 0:
+                continue
             opt.zero_grad(set_to_none=True)
             mbs = list(chunk.split(o.micro_batch_size))
-            n_terms = len(steps) * len(mbs)
             for k in steps:
                 for mb in mbs:
                     out = self._loss_term(traj, adv, k, mb, times)
-                    self._backward(out["loss"] / n_terms)
+                    # each term is a mean over its rows: weight it so the step's loss is the mean over all rows of
+                    # the chunk on all ranks (gradients are then summed over ranks), averaged over the steps
+                    self._backward(out["loss"] * (len(mb) / (n_global * len(steps))))
                     nfe += len(mb) * (2 if lp.guidance != 1.0 else 1) * (2 if (o.beta_kl > 0 and not self.distill) else 1)
                     for name, v in out.items():
                         if name != "loss":
                             stats.setdefault(name, []).append(float(v))
                             if name in ("clip_frac", "kl"):
                                 stats.setdefault(f"{name}_step{k}", []).append(float(v))
+            if world > 1:
+                self._all_reduce_grads()
             if o.max_grad_norm > 0:
                 gn = torch.nn.utils.clip_grad_norm_(list(pol.lora_parameters()), o.max_grad_norm)
                 stats.setdefault("grad_norm", []).append(float(gn))
@@ -478,19 +522,13 @@ class GRPOModule(L.LightningModule):
 
     def save_lora(self, out_dir: str | Path) -> Path:
         """Write the (EMA) adapter with diffusers' ``save_lora_weights`` (loads with ``load_lora_weights``)."""
-        from diffusers import StableDiffusion3Pipeline
-
         if self.lora_ema is not None:
             self.lora_ema.swap_in()
         try:
-            sd = {k: v.detach().cpu().contiguous() for k, v in self.policy.lora_state_dict().items()}
+            return self.policy.save_lora(out_dir)
         finally:
             if self.lora_ema is not None:
                 self.lora_ema.swap_out()
-        out_dir = Path(out_dir)
-        out_dir.mkdir(parents=True, exist_ok=True)
-        StableDiffusion3Pipeline.save_lora_weights(str(out_dir), transformer_lora_layers=sd, safe_serialization=True)
-        return out_dir
 
 
 class MetricsCSV:

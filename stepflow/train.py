@@ -23,6 +23,20 @@ def _container(node) -> dict:
     return {} if node is None else OmegaConf.to_container(node, resolve=True)
 
 
+def _instantiate(node: dict, field: str):
+    """hydra.utils.instantiate, with the user-facing error of the target (one line) instead of Hydra's wrapper."""
+    import hydra.utils
+    from hydra.errors import InstantiationException
+
+    try:
+        return hydra.utils.instantiate(node, _convert_="all")
+    except InstantiationException as e:
+        cause = e.__cause__
+        if isinstance(cause, (ValueError, FileNotFoundError, OSError)):
+            raise StepflowError(str(cause).strip().splitlines()[0]) from None
+        raise StepflowError(f"{field}: {' '.join(str(e).split())[:300]}") from None
+
+
 def build_policy(cfg: DictConfig):
     """Instantiate the model config (``_target_`` + kwargs) and add the LoRA adapter of ``cfg.lora``."""
     import hydra.utils
@@ -30,7 +44,7 @@ def build_policy(cfg: DictConfig):
     mcfg = _container(cfg.model)
     lora = mcfg.pop("lora", None) or _container(cfg.get("lora"))
     mcfg.pop("name", None)
-    policy = hydra.utils.instantiate(mcfg, _convert_="all")
+    policy = _instantiate(mcfg, "model")
     if lora and lora.get("rank", 0) > 0:
         policy.add_lora(rank=int(lora["rank"]), alpha=float(lora.get("alpha", lora["rank"])),
                         targets=tuple(lora.get("targets") or ()), init=lora.get("init", "gaussian"))
@@ -46,7 +60,7 @@ def build_reward(cfg: DictConfig):
 
         return _build(rcfg)
     except ImportError:
-        return hydra.utils.instantiate(rcfg, _convert_="all")
+        return _instantiate(rcfg, "reward")
 
 
 def _make(cls, node, prefix: str):
@@ -131,6 +145,8 @@ def run(cfg: DictConfig, run_dir: Path) -> "GRPOModule":  # noqa: F821
     trainer = build_trainer(cfg, run_dir, module.loop.iterations)
     ticks = DataLoader(list(range(1)), batch_size=None)  # one "batch" per epoch = one GRPO iteration
     trainer.fit(module, train_dataloaders=ticks, ckpt_path=str(ckpt) if ckpt else None)
+    if module.stop_reason:
+        raise StepflowError(module.stop_reason)
     return module
 
 

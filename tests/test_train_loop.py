@@ -141,7 +141,9 @@ def test_bad_overrides_give_one_line_errors(tmp_path, args, needle):
 def test_ddp_two_processes_matches_one(tmp_path):
     """2-process DDP on the CPU (gloo) gives the same rewards and advantages as 1 process for the same seeds."""
     one, two = tmp_path / "one", tmp_path / "two"
-    common = ["experiment=smoke", "loop.iterations=1", "loop.dump_trajectories=true", "eval.max_prompts=2"]
+    # adam_eps=1, lr=1: the first Adam step is ~ the gradient itself (not its sign), so weights compare gradients
+    common = ["experiment=smoke", "loop.iterations=1", "loop.dump_trajectories=true", "eval.max_prompts=2",
+              "train.adam_eps=1.0", "train.lr=1.0", "train.max_grad_norm=0"]
     r1 = _cli(*common, f"hydra.run.dir={one}")
     assert r1.returncode == 0, r1.stderr[-3000:]
     r2 = _cli(*common, "trainer=ddp_cpu", f"hydra.run.dir={two}", timeout=400)
@@ -151,3 +153,13 @@ def test_ddp_two_processes_matches_one(tmp_path):
     assert a["prompts"] == b["prompts"]
     torch.testing.assert_close(a["rewards"], b["rewards"], atol=1e-5, rtol=0)
     torch.testing.assert_close(a["advantages"], b["advantages"], atol=1e-4, rtol=0)
+    # the gradients are averaged over ranks, so both runs take the same optimizer step
+    from safetensors.torch import load_file
+
+    wa = load_file(str(one / "lora" / "pytorch_lora_weights.safetensors"))
+    wb = load_file(str(two / "lora" / "pytorch_lora_weights.safetensors"))
+    assert wa.keys() == wb.keys()
+    for k in wa:
+        torch.testing.assert_close(wa[k], wb[k], atol=1e-6, rtol=1e-4)
+    # lora_B starts at zero: the step moved it
+    assert max(float(wa[k].abs().max()) for k in wa if "lora_B" in k) > 1e-4

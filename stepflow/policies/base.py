@@ -157,8 +157,9 @@ class FlowPolicy(nn.Module):
         if not wanted:
             raise ValueError(f"lora.targets: none of {list(targets)} exist in the transformer; pick attention projections")
         # peft matches a target by module-name suffix; keep only the last component to match diffusers' convention.
+        # peft matches dotted suffixes: "attn.to_q" adapts the joint attention only (not SD3.5's attn2.*), as Flow-GRPO
         cfg = LoraConfig(r=rank, lora_alpha=alpha, init_lora_weights=init, lora_dropout=dropout,
-                         target_modules=sorted({w.split("attn.")[-1] for w in wanted}))
+                         target_modules=sorted(wanted))
         self.transformer.add_adapter(cfg)
 
     @property
@@ -187,6 +188,24 @@ class FlowPolicy(nn.Module):
         from peft.utils import get_peft_model_state_dict
 
         return get_peft_model_state_dict(self.transformer)
+
+    def save_lora(self, directory) -> "Path":
+        """Write the adapter as ``pytorch_lora_weights.safetensors`` that diffusers' ``load_lora_weights`` reads,
+        with the peft config (rank, alpha, targets) as metadata so the reloaded scale alpha/rank is right."""
+        from pathlib import Path
+
+        from diffusers import StableDiffusion3Pipeline
+
+        if not self.has_lora:
+            raise ValueError("save_lora: the policy has no LoRA adapter (set lora.rank > 0)")
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        config = self.transformer.peft_config["default"].to_dict()
+        config = {k: (sorted(v) if isinstance(v, set) else v) for k, v in config.items()}
+        state = {k: v.detach().cpu().contiguous() for k, v in self.lora_state_dict().items()}
+        StableDiffusion3Pipeline.save_lora_weights(str(directory), transformer_lora_layers=state,
+                                                   transformer_lora_adapter_metadata=config, safe_serialization=True)
+        return directory
 
     def load_lora_state_dict(self, state: dict[str, Tensor]) -> None:
         from peft.utils import set_peft_model_state_dict
