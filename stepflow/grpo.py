@@ -286,6 +286,9 @@ class GRPOModule(L.LightningModule):
             self.save_outputs()
 
     def training_step(self, batch: Any, batch_idx: int) -> None:
+        if self.iteration >= self.loop.iterations:  # e.g. resuming a finished run
+            self.trainer.should_stop = True
+            return None
         if self.trainer.world_size > 1:
             self._disable_ddp_sync()  # gradients are all-reduced by hand in update()
         try:
@@ -304,6 +307,8 @@ class GRPOModule(L.LightningModule):
         every = self.eval_cfg.every
         if (every and self.iteration % every == 0) or self.iteration == self.loop.iterations:
             self.run_evaluation()
+        if self.iteration >= self.loop.iterations:
+            self.trainer.should_stop = True  # epochs only tick; the iteration counter (checkpointed) decides
 
     def gather_rows(self, x: Tensor) -> Tensor:
         """All ranks' rows in rank order: (B_local, ...) -> (B_global, ...)."""

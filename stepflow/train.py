@@ -103,7 +103,7 @@ def build_module(cfg: DictConfig, run_dir: Path):
                       write_csv=bool(cfg.logger.get("csv", True)))
 
 
-def build_trainer(cfg: DictConfig, run_dir: Path, iterations: int):
+def build_trainer(cfg: DictConfig, run_dir: Path):
     import lightning as L
 
     from stepflow.checkpoint import AtomicCheckpointIO, checkpoint_callback
@@ -122,7 +122,7 @@ def build_trainer(cfg: DictConfig, run_dir: Path, iterations: int):
         loggers.append(WandbLogger(project=lg.get("project", "stepflow"), save_dir=str(run_dir), offline=offline))
     return L.Trainer(
         accelerator=t.get("accelerator", "cpu"), devices=t.get("devices", 1), strategy=t.get("strategy", "auto"),
-        num_nodes=t.get("num_nodes", 1), precision=t.get("precision", "32-true"), max_epochs=iterations,
+        num_nodes=t.get("num_nodes", 1), precision=t.get("precision", "32-true"), max_epochs=-1,
         logger=loggers or False, callbacks=[checkpoint_callback(run_dir / "checkpoints")],
         plugins=[AtomicCheckpointIO()], enable_progress_bar=False, enable_model_summary=False,
         num_sanity_val_steps=0, limit_val_batches=0, use_distributed_sampler=False, log_every_n_steps=1,
@@ -142,7 +142,7 @@ def run(cfg: DictConfig, run_dir: Path) -> "GRPOModule":  # noqa: F821
     run_dir.mkdir(parents=True, exist_ok=True)
     OmegaConf.save(cfg, run_dir / "config.yaml", resolve=True)
     module = build_module(cfg, run_dir)
-    trainer = build_trainer(cfg, run_dir, module.loop.iterations)
+    trainer = build_trainer(cfg, run_dir)
     ticks = DataLoader(list(range(1)), batch_size=None)  # one "batch" per epoch = one GRPO iteration
     trainer.fit(module, train_dataloaders=ticks, ckpt_path=str(ckpt) if ckpt else None)
     if module.stop_reason:

@@ -163,3 +163,40 @@ def test_ddp_two_processes_matches_one(tmp_path):
         torch.testing.assert_close(wa[k], wb[k], atol=1e-6, rtol=1e-4)
     # lora_B starts at zero: the step moved it
     assert max(float(wa[k].abs().max()) for k in wa if "lora_B" in k) > 1e-4
+
+
+def test_reward_service_failure_stops_cleanly_and_resumes(tmp_path):
+    """A remote reward that keeps failing stops the run with a one-line error and a usable last.ckpt."""
+    import threading
+
+    from stepflow.cli import StepflowError
+    from stepflow.rewards.shapes_geneval import ShapesGenEvalReward
+    from stepflow.serve_reward import make_server
+
+    class Flaky(ShapesGenEvalReward):
+        calls, fail_after = 0, 2  # eval at start, iteration 1; then the service breaks
+
+        def score(self, images, prompts, meta):
+            Flaky.calls += 1
+            if Flaky.calls > Flaky.fail_after:
+                raise RuntimeError("model crashed")
+            return super().score(images, prompts, meta)
+
+    server = make_server(Flaky(), port=0)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+    args = ["reward=remote", f"reward.url={url}", "reward.max_retries=1", "reward.backoff_s=0.01",
+            "loop.iterations=3", "eval.max_prompts=4"]
+    try:
+        with pytest.raises(StepflowError, match="reward service failed at iteration 1"):
+            fit(tmp_path, *args)
+        rows = [r for r in read_metrics(tmp_path) if r.get("train/reward_final")]
+        assert len(rows) == 1
+        ckpt = tmp_path / "checkpoints" / "last.ckpt"
+        assert ckpt.is_file()
+        Flaky.fail_after = 10**6  # the service is back
+        module, _ = fit(tmp_path, *args, f"ckpt_path={ckpt}")
+        assert module.iteration == 3
+        assert len([r for r in read_metrics(tmp_path) if r.get("train/reward_final")]) == 3
+    finally:
+        server.shutdown()
