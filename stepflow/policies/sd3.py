@@ -305,25 +305,6 @@ class SD3Policy(FlowPolicy):
         return torch.cat(out).to(latents.device)
 
     # ------------------------------------------------------------------ LoRA I/O (diffusers format)
-    def save_lora(self, directory: str | os.PathLike) -> Path:
-        """Write the adapter as ``pytorch_lora_weights.safetensors`` that ``pipe.load_lora_weights(dir)`` reads.
-
-        The peft config (rank, alpha, targets) goes into the file's metadata, so the reloaded adapter has the same
-        scale ``alpha / rank`` (without it diffusers would assume alpha = rank).
-        """
-        if not self.has_lora:
-            raise ValueError("save_lora: the policy has no LoRA adapter (set model.lora)")
-        from diffusers import StableDiffusion3Pipeline
-
-        directory = Path(directory)
-        directory.mkdir(parents=True, exist_ok=True)
-        config = self.transformer.peft_config["default"].to_dict()
-        config = {k: (sorted(v) if isinstance(v, set) else v) for k, v in config.items()}
-        StableDiffusion3Pipeline.save_lora_weights(
-            directory, transformer_lora_layers=self.lora_state_dict(), transformer_lora_adapter_metadata=config,
-            safe_serialization=True)
-        return directory
-
     def load_lora(self, directory: str | os.PathLike) -> None:
         """Load an adapter written by :meth:`save_lora` (or any diffusers SD3 transformer LoRA).
 
