@@ -156,3 +156,36 @@ def test_position_rule_uses_margin():
     far = Scene((ShapeSpec("circle", "red", 2, 10, 9), ShapeSpec("square", "blue", 16, 12, 9)), 32)
     assert not judge(render(near), p).strict and judge(render(far), p).strict
     assert not judge(render(far), "a photo of a circle right of a square").strict
+
+
+def test_noise_and_clutter_are_not_objects():
+    """Blocky colour noise (what an untrained patch-4 model draws) must not pass as shapes: a judge that accepts
+    clutter would score noise at GenEval ~0.5 and let RL hack the reward."""
+    from stepflow.shapes import COLORS, detect, judge
+
+    rng = np.random.default_rng(0)
+    palette = np.asarray(list(COLORS.values()), dtype=np.float32) / 255.0
+    bg = np.full((32, 32, 3), 24 / 255.0, dtype=np.float32)
+    passed = 0
+    for _ in range(200):
+        img = bg.copy()
+        for _ in range(rng.integers(4, 16)):  # random 4x4 blocks on the patch grid (2x2 same-colour clusters are real squares)
+            y, x = rng.integers(0, 8, size=2) * 4
+            img[y:y + 4, x:x + 4] = palette[rng.integers(len(palette))]
+        passed += judge(img, "a photo of a circle").strict or judge(img, "a photo of a square").strict
+    assert passed / 200 < 0.05, passed
+    # an elongated bar is not a square
+    img = bg.copy()
+    img[10:13, 4:28] = palette[0]
+    assert detect(img) == []
+
+
+def test_shape_fit_of_rendered_shapes_is_high():
+    from stepflow.shapes import SHAPES, ShapeSpec, Scene, render
+    from stepflow.shapes.detector import detect
+
+    for shape in SHAPES:
+        for side in (7, 9, 11):
+            img = render(Scene((ShapeSpec(shape, "red", 10, 10, side),), 32))
+            (d,) = detect(img)
+            assert d.shape == shape and d.conf > 0.9, (shape, side, d)

@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from stepflow.shapes.prompts import Requirement, parse_prompt
-from stepflow.shapes.world import BACKGROUND, COLORS, SHAPES, relative_position
+from stepflow.shapes.world import BACKGROUND, COLORS, SHAPES, relative_position, side_range
 
 _PAL_NAMES = tuple(COLORS)
 _PAL = np.asarray([COLORS[c] for c in _PAL_NAMES], dtype=np.float32) / 255.0  # (K, 3)
@@ -41,6 +41,7 @@ class Detection:
     cy: float
     area: int  # pixels
     box: tuple[int, int, int, int] = (0, 0, 0, 0)  # x0, y0, x1, y1 (exclusive)
+    conf: float = 1.0  # shape fit: IoU of the object's mask with the ideal shape in its box (see shape_fit)
 
     @property
     def box_center(self) -> tuple[float, float]:
@@ -187,6 +188,46 @@ def classify_shape(weights: np.ndarray) -> str:
     return "square" if f["kurt_gap"] > SQUARE_KURT_GAP else "circle"
 
 
+#: detections whose shape fit is below this are not objects (GenEval drops low-confidence detections the same way):
+#: blobs of noise, smears and fused clutter do not count as a circle/square/triangle.
+MIN_CONF = 0.55
+#: shapes are drawn in square boxes: a box more elongated than this is not a shape
+MAX_ASPECT = 1.6
+
+
+def shape_template(shape: str, bh: int, bw: int) -> np.ndarray:
+    """Boolean (bh, bw) mask of ``shape`` stretched to fill a bh x bw box (same pixel-centre rules as the
+    renderer's ``shape_mask``, which it equals for bh == bw)."""
+    y = (np.arange(bh) + 0.5) / bh
+    x = (np.arange(bw) + 0.5) / bw
+    yy, xx = np.meshgrid(y, x, indexing="ij")
+    if shape == "circle":
+        return (xx - 0.5) ** 2 + (yy - 0.5) ** 2 <= 0.25
+    if shape == "square":
+        return np.ones((bh, bw), dtype=bool)
+    return np.abs(xx - 0.5) <= 0.5 * (yy + 0.5 / bh) + 0.25 / bw
+
+
+#: objects are drawn with sides in side_range(size); a box whose longer side is under this fraction of the smallest
+#: side, or over 1/this of the largest, is not a shape (e.g. single patch-sized blocks of noise)
+SIDE_TOLERANCE = 0.75
+
+
+def shape_fit(part: np.ndarray, shape: str) -> float:
+    """Confidence that a binary object mask is ``shape``: IoU with the ideal shape in the mask's bounding box;
+    0 when the box is more elongated than ``MAX_ASPECT`` or its size is outside the drawable range (see
+    ``SIDE_TOLERANCE``). Crisp rendered shapes give 1."""
+    ys, xs = np.nonzero(part)
+    y0, y1, x0, x1 = ys.min(), ys.max() + 1, xs.min(), xs.max() + 1
+    bh, bw = y1 - y0, x1 - x0
+    lo, hi = side_range(part.shape[0])
+    if max(bh, bw) > MAX_ASPECT * min(bh, bw) or max(bh, bw) < SIDE_TOLERANCE * lo or max(bh, bw) > hi / SIDE_TOLERANCE:
+        return 0.0
+    crop = part[y0:y1, x0:x1]
+    t = shape_template(shape, bh, bw)
+    return float((crop & t).sum() / max((crop | t).sum(), 1))
+
+
 def _pixel_colors(pix: np.ndarray) -> np.ndarray:
     """(N, 3) pixels -> (N,) index of the palette colour whose background->colour segment is nearest."""
     d = pix[:, None, :] - _BG  # (N, 1, 3)
@@ -195,10 +236,12 @@ def _pixel_colors(pix: np.ndarray) -> np.ndarray:
     return resid.argmin(-1)
 
 
-def detect(image, min_area: int | None = None, threshold: float = FG_THRESHOLD) -> list[Detection]:
+def detect(image, min_area: int | None = None, threshold: float = FG_THRESHOLD,
+           min_conf: float = MIN_CONF) -> list[Detection]:
     """Objects in ``image`` ((H, W, 3) or (3, H, W) float in [0, 1], numpy or torch), sorted by (cy, cx).
 
-    ``min_area`` defaults to 8 px at 32 x 32, scaled with the image area (the smallest shape has ~25 px)."""
+    ``min_area`` defaults to 8 px at 32 x 32, scaled with the image area (the smallest shape has ~25 px).
+    Candidates whose :func:`shape_fit` is below ``min_conf`` are dropped (not objects)."""
     img = _as_hwc(image)
     h, w, _ = img.shape
     if min_area is None:
@@ -241,8 +284,11 @@ def detect(image, min_area: int | None = None, threshold: float = FG_THRESHOLD) 
         alpha = np.clip((crop * _DIR[c]).sum(-1) / _DIR_N2[c], 0.0, 1.0)
         weights = np.where(region & ((alpha > 0.2) | part[Y0:Y1, X0:X1]), alpha, 0.0)
         shape = classify_shape(weights)
+        conf = shape_fit(part, shape)
+        if conf < min_conf:
+            continue
         out.append(Detection(shape, _PAL_NAMES[c], float(xs.mean() + 0.5), float(ys.mean() + 0.5), int(len(ys)),
-                             (int(x0), int(y0), int(x1), int(y1))))
+                             (int(x0), int(y0), int(x1), int(y1)), conf))
     out.sort(key=lambda d: (d.cy, d.cx))
     return out
 
