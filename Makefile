@@ -34,3 +34,19 @@ test-fast: install
 
 clean:
 	rm -rf outputs multirun .pytest_cache
+
+# Ablation suites (experiments/ablations.py, experiments/README.md): SCALE=mini (embedded world on the CPU, default)
+# | paper (SD3.5-M, 8 GPUs per run, SLURM launcher); JOBS=N local runs at once; reruns skip finished runs.
+SCALE ?= mini
+JOBS  ?= 1
+SWEEP ?= outputs/ablations/full
+.PHONY: report
+
+ablations: install
+	$(VPY) experiments/ablations.py --suite $(if $(filter paper,$(SCALE)),paper,$(if $(filter mini,$(SCALE)),full,$(error SCALE must be mini or paper))) --jobs $(JOBS) $(ARGS)
+
+ablations-quick: install
+	$(VPY) experiments/ablations.py --suite quick --jobs $(JOBS) $(ARGS)
+
+report: install
+	$(VPY) experiments/report.py $(SWEEP) $(ARGS)

@@ -1,0 +1,518 @@
+#!/usr/bin/env python
+"""Ablation suites of stepflow: plan the runs, launch the missing ones with Hydra ``--multirun``, write the report.
+
+    python experiments/ablations.py                          # miniature suite ("full", make ablations), CPU
+    python experiments/ablations.py --suite quick            # reduced suite (make ablations-quick)
+    python experiments/ablations.py --suite paper            # paper scale on SLURM (make ablations SCALE=paper)
+    python experiments/ablations.py --suite quick --dry-run  # print the plan and the command lines only
+    python experiments/ablations.py --only substeps,credit --seeds 0,1 --jobs 2 -- model.path=/my/base_model
+
+Each ablation is one experiment file (``conf/experiment/``) plus its axes; a suite is a list of ablations, the
+seeds, and overrides common to all its runs. Runs land in ``<sweep dir>/<ablation>/<run>``, where ``<run>`` is
+Hydra's ``override_dirname`` of the run's own overrides, i.e. its arm and seed, sorted (e.g.
+``advantage=gain,sampler=ddim_sde,seed=0``; the experiment, the suite's common overrides and ``ckpt_path`` are
+excluded), so the names are deterministic and a second invocation finds the runs of the first.
+
+Skipping: before launching, every planned (arm, seed) run is checked. A run whose ``metrics.csv`` holds the final
+evaluation row (or whose ``lora/`` adapter exists) and whose stored ``config.yaml`` agrees with the planned config is
+*finished* and skipped; an unfinished run with ``checkpoints/last.ckpt`` is *resumed* (``ckpt_path=...``; so is a run
+whose plan only raises ``loop.iterations``: it is extended); a run whose stored config disagrees with the plan
+otherwise (a changed experiment file or override) is *stale*: it is moved to ``<ablation>/.stale/`` and rerun;
+anything else is (re)started. Only missing runs are launched: when every arm of an
+ablation miss the same seeds, one multirun over the axes (``advantage=uniform,gain sampler=... seed=0,1,2``; likewise
+for any sub-grid of the axes that misses the same seeds), else one multirun per arm with that arm's missing seeds,
+and one command per resumed run. A run identical to one of an earlier ablation (the baseline arm the ablations
+share: same resolved config apart from the experiment's name, same seed) is not run twice: its directory becomes a
+relative symlink to that run.
+
+Afterwards ``<sweep dir>/report/`` is written by ``experiments/report.py`` (markdown table + PNG plots).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import itertools
+import json
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import report  # noqa: E402  (experiments/report.py)
+
+ROOT = Path(__file__).resolve().parent.parent
+CONF = ROOT / "conf"
+
+
+# ---------------------------------------------------------------------------------------------------- definitions
+@dataclass
+class Ablation:
+    """One ablation: an experiment file and its arms.
+
+    axes: ``{override key: [values]}``; the arms are their product (in order). extra_arms: further arms, each a dict
+    of overrides (e.g. the adaptive substep count). Every arm must set at least one override.
+    """
+
+    name: str
+    experiment: str
+    axes: dict[str, list[str]] = field(default_factory=dict)
+    extra_arms: list[dict[str, str]] = field(default_factory=list)
+    title: str = ""
+    question: str = ""
+
+    def product_arms(self) -> list[dict[str, str]]:
+        keys = list(self.axes)
+        return [dict(zip(keys, vals)) for vals in itertools.product(*(self.axes[k] for k in keys))] if keys else []
+
+    def arms(self) -> list[dict[str, str]]:
+        arms = self.product_arms() + [dict(a) for a in self.extra_arms]
+        for a in arms:
+            if not a:
+                raise ValueError(f"ablation {self.name}: an arm without overrides")
+        return arms
+
+
+@dataclass
+class Suite:
+    """A list of ablations run with the same seeds, common overrides and launcher."""
+
+    name: str
+    ablations: list[Ablation]
+    seeds: list[int]
+    common: list[str] = field(default_factory=list)  #: overrides of every run (not part of run directory names)
+    launcher: str | None = None  #: hydra/launcher option; None = Hydra's basic launcher (sequential, in-process)
+    sweep_dir: str = "outputs/ablations"
+    description: str = ""
+
+
+#: the four ablations of `make ablations`: name -> (miniature experiment, paper experiment, axes, extra arms, title,
+#: question)
+_ABLATIONS: dict[str, tuple[str, str, dict[str, list[str]], list[dict[str, str]], str, str]] = {
+    "method_sampler": (
+        "mini_fig6_sde", "paper_fig6_sde",
+        {"advantage": ["uniform", "gain"], "sampler": ["flow_sde", "ddim_sde"]}, [],
+        "method x SDE (paper Fig. 4 and Fig. 6)",
+        "Flow-GRPO's uniform credit vs Stepwise-Flow-GRPO's gains, each with Flow-GRPO's SDE (a = 0.7) and the "
+        "DDIM-style SDE (eta = 0.9). Paper: gains are more sample-efficient, the DDIM SDE helps both, the two stack."),
+    "substeps": (
+        "mini_fig10_substeps", "paper_fig10_substeps",
+        {"loop.substeps": ["1", "2", "5", "8"]}, [{"loop.adaptive_substeps": "true"}],
+        "substeps T' of the x0 estimate (paper Fig. 10, App. C.2)",
+        "Euler substeps T' of the x0 estimates behind the stepwise rewards (1 = Tweedie) and the adaptive count "
+        "ceil(5 t). Paper: T' in {2, 5, 8} perform alike per iteration and per GPU-hour."),
+    "normalization": (
+        "mini_fig9_norm", "paper_fig9_norm",
+        {"advantage": ["gain", "gain_per_step"]}, [],
+        "joint vs per-step normalisation of the gains (paper Fig. 9, App. C.1)",
+        "Gains normalised jointly over group x steps (advantage=gain) or separately per step "
+        "(advantage=gain_per_step). Paper: joint converges faster, final rewards similar."),
+    "credit": (
+        "mini_fig7_credit", "paper_fig7_credit",
+        {"advantage": ["gain", "gain_ema", "gae", "distill"]}, [],
+        "credit variants (paper Fig. 7, App. A)",
+        "Plain gains vs gains minus a per-step EMA baseline (alpha 0.9) vs GAE over the gains (gamma 1, lambda 0.9) "
+        "vs gain-weighted ODE progressive distillation. Paper: no variant is significantly better than plain gains."),
+}
+
+
+def make_ablations(scale: str, names: Sequence[str] | None = None,
+                   axes_override: dict[str, dict[str, list[str]]] | None = None,
+                   extra_override: dict[str, list[dict[str, str]]] | None = None) -> list[Ablation]:
+    """The ablations at ``scale`` ("mini" | "paper"), optionally a subset and with reduced axes."""
+    out = []
+    for name, (mini, paper, axes, extra, title, question) in _ABLATIONS.items():
+        if names is not None and name not in names:
+            continue
+        ax = (axes_override or {}).get(name, axes)
+        ex = (extra_override or {}).get(name, extra)
+        out.append(Ablation(name, mini if scale == "mini" else paper, {k: list(v) for k, v in ax.items()},
+                            [dict(e) for e in ex], title, question))
+    return out
+
+
+#: overrides of the quick suite: the miniature protocol at a quarter of the length and half the batch
+QUICK_COMMON = ["loop.iterations=10", "loop.prompts_per_iter=2", "eval.every=5", "eval.max_prompts=96"]
+
+
+def build_suites() -> dict[str, Suite]:
+    full = Suite(
+        "full", make_ablations("mini"), [0, 1, 2], sweep_dir="outputs/ablations/full",
+        description="Miniature suite (`make ablations`): the embedded world on the CPU, the paper's protocol at "
+                    "miniature scale (conf/experiment/mini_base.yaml), 3 seeds per arm.")
+    quick = Suite(
+        "quick",
+        make_ablations("mini", axes_override={"substeps": {"loop.substeps": ["1", "5"]},
+                                              "credit": {"advantage": ["gain", "gae"]}},
+                       extra_override={"substeps": []}),
+        [0, 1], common=list(QUICK_COMMON), sweep_dir="outputs/ablations/quick",
+        description="Quick suite (`make ablations-quick`): the miniature suite reduced to 10 iterations of 2 prompts "
+                    "x 16 samples, evaluation on 96 held-out prompts every 5 iterations, 2 seeds, fewer arms "
+                    "(T' in {1, 5}; credit gain vs GAE). A check of the whole pipeline with a first signal, not a "
+                    "result.")
+    paper = Suite(
+        "paper", make_ablations("paper"), [0, 1, 2], launcher="slurm", sweep_dir="outputs/ablations/paper",
+        description="Paper-scale suite (`make ablations SCALE=paper`): SD3.5-Medium on 8 GPUs per run through the "
+                    "SLURM launcher (conf/hydra/launcher/slurm.yaml), the paper's settings (paper_base.yaml).")
+    return {s.name: s for s in (full, quick, paper)}
+
+
+# ---------------------------------------------------------------------------------------------------- naming
+def override_key(override: str) -> str:
+    """The key of a ``key=value`` override (``+``/``~``/``++`` prefixes dropped), as Hydra's ``key_or_group``."""
+    return override.split("=", 1)[0].lstrip("+~")
+
+
+def run_name(arm: dict[str, str], seed: int) -> str:
+    """The run directory name Hydra gives the job: ``override_dirname`` of the arm's overrides and the seed (each
+    ``key=value``, sorted as strings, joined by ``,``; Hydra's defaults kv_sep ``=`` and item_sep ``,``)."""
+    lines = [f"{k}={v}" for k, v in arm.items()] + [f"seed={seed}"]
+    return ",".join(sorted(lines))
+
+
+def arm_label(arm: dict[str, str]) -> str:
+    """The arm's name in the report: its run directory name without the seed."""
+    return ",".join(sorted(f"{k}={v}" for k, v in arm.items()))
+
+
+def hydra_value(s: str) -> str:
+    """Quote a string for a Hydra override value when it holds characters the override grammar treats specially."""
+    if re.fullmatch(r"[A-Za-z0-9_./:@+-]*", s):
+        return s
+    return "'" + s.replace("\\", "\\\\").replace("'", "\\'") + "'"
+
+
+# ---------------------------------------------------------------------------------------------------- planning
+@dataclass
+class Job:
+    """One planned run: (ablation, arm, seed) and its state on disk."""
+
+    ablation: Ablation
+    arm: dict[str, str]
+    seed: int
+    run_dir: Path
+    status: str = "missing"  #: finished | resume | stale | missing | shared
+    reason: str = ""
+    same_as: "Job | None" = None  #: shared: the identical run of an earlier ablation (linked, not run again)
+
+
+@contextlib.contextmanager
+def hydra_conf():
+    """Hydra's compose API initialised on ``conf/`` (once for many compositions)."""
+    from hydra import initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+            yield
+    finally:
+        GlobalHydra.instance().clear()
+
+
+def planned_config(experiment: str, overrides: Sequence[str]) -> dict[str, Any]:
+    """The resolved config a run will get (Hydra compose of ``train`` with the run's overrides); call inside
+    :func:`hydra_conf` (or it initialises Hydra itself)."""
+    from hydra import compose
+    from hydra.core.global_hydra import GlobalHydra
+    from omegaconf import OmegaConf
+
+    if not GlobalHydra.instance().is_initialized():
+        with hydra_conf():
+            return planned_config(experiment, overrides)
+    cfg = compose(config_name="train", overrides=[f"experiment={experiment}", *overrides])
+    return OmegaConf.to_container(cfg, resolve=True)
+
+
+def config_mismatch(stored: dict[str, Any], planned: dict[str, Any]) -> list[str]:
+    """Keys present in both configs whose values differ (``seed``, ``loop.seed`` and ``ckpt_path`` ignored). Keys
+    only one side has (a default added to train.yaml later) do not count."""
+    a, b = report.flatten(stored), report.flatten(planned)
+    return sorted(k for k in a.keys() & b.keys() if k not in report.SEED_KEYS and _norm(a[k]) != _norm(b[k]))
+
+
+def _norm(v: Any) -> Any:
+    if isinstance(v, (list, tuple)):
+        return [_norm(x) for x in v]
+    if isinstance(v, bool) or v is None:
+        return v
+    if isinstance(v, (int, float)):
+        return float(v)
+    return v
+
+
+def job_status(run_dir: Path, planned: dict[str, Any] | None = None) -> tuple[str, str]:
+    """``(status, reason)`` of the run directory of a planned job (see the module docstring)."""
+    import yaml
+
+    cfg_file = run_dir / "config.yaml"
+    if not cfg_file.is_file():
+        return "missing", "no run yet" if not run_dir.exists() else "no config.yaml"
+    has_ckpt = (run_dir / "checkpoints" / "last.ckpt").is_file()
+    if planned is not None:
+        try:
+            stored = yaml.safe_load(cfg_file.read_text()) or {}
+        except yaml.YAMLError:
+            stored = {}
+        diff = config_mismatch(stored, planned)
+        if diff == ["loop.iterations"] and has_ckpt and \
+                int(planned["loop"]["iterations"]) > int(stored["loop"]["iterations"]):
+            return "resume", f"extend from {stored['loop']['iterations']} to {planned['loop']['iterations']} iterations"
+        if diff:
+            return "stale", f"config differs from the plan in {', '.join(diff[:4])}"
+    iterations = None if planned is None else int(planned["loop"]["iterations"])
+    if report.run_finished(run_dir, iterations):
+        return "finished", ""
+    if has_ckpt:
+        return "resume", "unfinished, has checkpoints/last.ckpt"
+    return "missing", "unfinished, no checkpoint"
+
+
+def run_signature(planned: dict[str, Any]) -> str:
+    """What makes two runs identical: the resolved config without ``experiment_name`` (and ``ckpt_path``)."""
+    flat = {k: _norm(v) for k, v in report.flatten(planned).items() if k not in ("experiment_name", "ckpt_path")}
+    return json.dumps(flat, sort_keys=True, default=str)
+
+
+def plan(suite: Suite, sweep_dir: Path, extra: Sequence[str] = (), check_config: bool = True) -> list[Job]:
+    """Every (ablation, arm, seed) of the suite with its status on disk.
+
+    With ``check_config`` every arm is composed; a run whose resolved config (experiment name aside) and seed equal an
+    earlier ablation's run -- the baseline arm that several ablations share -- is *shared*: it is not run again but
+    linked to that run (unless a finished run of its own exists)."""
+    jobs = []
+    first: dict[tuple[str, int], Job] = {}
+    with hydra_conf() if check_config else contextlib.nullcontext():
+        for abl in suite.ablations:
+            for arm in abl.arms():
+                planned = sig = None
+                if check_config:  # one composition per arm: the seed keys are not compared
+                    ovr = [*suite.common, *extra, *(f"{k}={v}" for k, v in arm.items())]
+                    planned = planned_config(abl.experiment, ovr)
+                    sig = run_signature(planned)
+                for seed in suite.seeds:
+                    run_dir = sweep_dir / abl.name / run_name(arm, seed)
+                    twin = first.get((sig, seed)) if sig is not None else None
+                    if twin is not None and (run_dir.is_symlink() or not run_dir.exists()):
+                        jobs.append(Job(abl, arm, seed, run_dir, "shared", f"same run as {twin.ablation.name}/"
+                                        f"{twin.run_dir.name}", same_as=twin))
+                        continue
+                    status, reason = job_status(run_dir, planned)
+                    if twin is not None and status != "finished":  # a leftover of its own: replaced by the link
+                        jobs.append(Job(abl, arm, seed, run_dir, "shared", f"same run as {twin.ablation.name}/"
+                                        f"{twin.run_dir.name} (own unfinished copy moved aside)", same_as=twin))
+                        continue
+                    job = Job(abl, arm, seed, run_dir, status, reason)
+                    jobs.append(job)
+                    if sig is not None:
+                        first.setdefault((sig, seed), job)
+    return jobs
+
+
+def exclude_keys(suite: Suite, extra: Sequence[str] = ()) -> list[str]:
+    """Override keys left out of run directory names: the experiment, ckpt_path and the suite's common overrides."""
+    keys = ["experiment", "ckpt_path"] + [override_key(o) for o in [*suite.common, *extra]]
+    return list(dict.fromkeys(keys))
+
+
+def launcher_args(launcher: str | None, jobs: int = 1) -> list[str]:
+    if launcher:
+        return [f"hydra/launcher={launcher}"]
+    if jobs > 1:
+        return ["hydra/launcher=joblib", f"hydra.launcher.n_jobs={jobs}"]
+    return []
+
+
+def multirun_command(suite: Suite, abl: Ablation, sweep_dir: Path, overrides: Sequence[str], seeds: Sequence[int],
+                     extra: Sequence[str] = (), launcher: Sequence[str] = (), python: str = sys.executable) -> list[str]:
+    """``python -m stepflow.train --multirun experiment=<abl> <common> <overrides> seed=<seeds> hydra...``."""
+    excl = exclude_keys(suite, extra)
+    return [python, "-m", "stepflow.train", "--multirun", f"experiment={abl.experiment}", *suite.common, *extra,
+            *overrides, f"seed={','.join(str(s) for s in seeds)}",
+            f"hydra.sweep.dir={hydra_value(str(sweep_dir / abl.name))}",
+            "hydra.sweep.subdir=${hydra.job.override_dirname}",
+            f"hydra.job.config.override_dirname.exclude_keys=[{','.join(excl)}]", *launcher]
+
+
+def plan_commands(suite: Suite, jobs: Sequence[Job], sweep_dir: Path, extra: Sequence[str] = (),
+                  launcher: Sequence[str] = (), python: str = sys.executable) -> list[list[str]]:
+    """Command lines that run exactly the unfinished jobs (see the module docstring)."""
+    cmds: list[list[str]] = []
+    for abl in suite.ablations:
+        mine = [j for j in jobs if j.ablation.name == abl.name]
+        fresh: dict[str, list[int]] = {}
+        arm_of: dict[str, dict[str, str]] = {}
+        for j in mine:
+            if j.status in ("missing", "stale"):
+                key = arm_label(j.arm)
+                fresh.setdefault(key, []).append(j.seed)
+                arm_of[key] = j.arm
+        # product arms that miss the same seeds and form a sub-grid of the axes: one multirun over that grid
+        by_seeds: dict[tuple[int, ...], list[dict[str, str]]] = {}
+        for arm in abl.product_arms():
+            seeds = tuple(fresh.get(arm_label(arm), ()))
+            if seeds:
+                by_seeds.setdefault(seeds, []).append(arm)
+        for seeds, arms in by_seeds.items():
+            values = {k: [v for v in abl.axes[k] if any(a[k] == v for a in arms)] for k in abl.axes}
+            grid = [dict(zip(values, vs)) for vs in itertools.product(*values.values())]
+            if len(arms) < 2 or len(grid) != len(arms):
+                continue  # not a grid: one multirun per arm below
+            axes = [f"{k}={','.join(v)}" for k, v in values.items()]
+            cmds.append(multirun_command(suite, abl, sweep_dir, axes, list(seeds), extra, launcher, python))
+            for arm in arms:
+                fresh.pop(arm_label(arm), None)
+        for key, seeds in fresh.items():
+            ovr = [f"{k}={v}" for k, v in arm_of[key].items()]
+            cmds.append(multirun_command(suite, abl, sweep_dir, ovr, seeds, extra, launcher, python))
+        for j in mine:
+            if j.status == "resume":
+                ovr = [f"{k}={v}" for k, v in j.arm.items()]
+                ovr.append(f"ckpt_path={hydra_value(str(j.run_dir / 'checkpoints' / 'last.ckpt'))}")
+                cmds.append(multirun_command(suite, abl, sweep_dir, ovr, [j.seed], extra, launcher, python))
+    return cmds
+
+
+# ---------------------------------------------------------------------------------------------------- running
+def link_shared(job: Job) -> Path:
+    """Make ``job.run_dir`` a relative symlink to the run it shares (an unfinished own copy is moved aside)."""
+    assert job.same_as is not None
+    d = job.run_dir
+    if d.is_symlink():
+        d.unlink()
+    elif d.exists():
+        move_stale(job)
+    d.parent.mkdir(parents=True, exist_ok=True)
+    d.symlink_to(os.path.relpath(job.same_as.run_dir, d.parent), target_is_directory=True)
+    return d
+
+
+def move_stale(job: Job) -> Path:
+    """Move a stale run directory to ``<ablation>/.stale/<name>-<time>`` (ignored by the report)."""
+    dest = job.run_dir.parent / ".stale" / f"{job.run_dir.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    shutil.move(str(job.run_dir), str(dest))
+    return dest
+
+
+def write_metadata(suite: Suite, sweep_dir: Path, extra: Sequence[str]) -> None:
+    """``suite.json`` in the sweep dir and ``ablation.json`` per ablation (titles, questions, arm order)."""
+    sweep_dir.mkdir(parents=True, exist_ok=True)
+    meta = {"suite": suite.name, "description": suite.description, "seeds": suite.seeds,
+            "common_overrides": [*suite.common, *extra], "launcher": suite.launcher,
+            "ablations": [{"name": a.name, "experiment": a.experiment} for a in suite.ablations]}
+    (sweep_dir / "suite.json").write_text(json.dumps(meta, indent=1) + "\n")
+    for a in suite.ablations:
+        d = sweep_dir / a.name
+        d.mkdir(parents=True, exist_ok=True)
+        (d / "ablation.json").write_text(json.dumps({
+            "name": a.name, "experiment": a.experiment, "title": a.title, "question": a.question,
+            "axes": a.axes, "extra_arms": a.extra_arms, "arm_labels": [arm_label(x) for x in a.arms()],
+            "seeds": suite.seeds, "common_overrides": [*suite.common, *extra]}, indent=1) + "\n")
+
+
+def run_commands(cmds: Sequence[list[str]], env: dict[str, str], concurrent: bool, log=print) -> list[int]:
+    """Run the commands (sequentially, or all at once for cluster launchers whose multirun blocks on the queue);
+    returns their exit codes."""
+    if concurrent:
+        procs = []
+        for c in cmds:
+            log(f"[ablations] $ {shlex.join(c)}")
+            procs.append(subprocess.Popen(c, cwd=ROOT, env=env))
+        return [p.wait() for p in procs]
+    codes = []
+    for i, c in enumerate(cmds, 1):
+        log(f"[ablations] ({i}/{len(cmds)}) $ {shlex.join(c)}")
+        t0 = time.time()
+        rc = subprocess.call(c, cwd=ROOT, env=env)
+        log(f"[ablations] ({i}/{len(cmds)}) exit {rc} after {time.time() - t0:.0f} s")
+        codes.append(rc)
+    return codes
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    extra: list[str] = []
+    if "--" in argv:
+        i = argv.index("--")
+        argv, extra = argv[:i], argv[i + 1:]
+    suites = build_suites()
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                 epilog="Arguments after `--` are Hydra overrides added to every run.")
+    ap.add_argument("--suite", default="full", choices=sorted(suites))
+    ap.add_argument("--sweep-dir", default=None, help="default: outputs/ablations/<suite>")
+    ap.add_argument("--only", default=None, help="comma-separated ablation names (default: all of the suite)")
+    ap.add_argument("--seeds", default=None, help="comma-separated seeds (default: the suite's)")
+    ap.add_argument("--launcher", default=None, help="hydra/launcher option (default: the suite's; paper: slurm)")
+    ap.add_argument("--jobs", type=int, default=1, help="local runs at once (joblib launcher; default 1)")
+    ap.add_argument("--threads", type=int, default=1,
+                    help="torch/OpenMP threads per local run (OMP_NUM_THREADS; default 1, 0 = leave unset)")
+    ap.add_argument("--dry-run", action="store_true", help="print the plan and commands, run nothing")
+    ap.add_argument("--no-report", action="store_true")
+    ap.add_argument("--no-config-check", action="store_true",
+                    help="do not compare stored configs with the plan (finished = final eval row / lora only)")
+    a = ap.parse_args(argv)
+
+    suite = suites[a.suite]
+    if a.only:
+        names = [n.strip() for n in a.only.split(",") if n.strip()]
+        unknown = [n for n in names if n not in {x.name for x in suite.ablations}]
+        if unknown:
+            ap.error(f"--only: unknown ablation(s) {unknown}; choose from {[x.name for x in suite.ablations]}")
+        suite.ablations = [x for x in suite.ablations if x.name in names]
+    if a.seeds:
+        suite.seeds = [int(s) for s in a.seeds.split(",") if s.strip()]
+    if a.launcher is not None:
+        suite.launcher = a.launcher or None
+    sweep_dir = Path(a.sweep_dir or suite.sweep_dir)
+    sweep_dir = (sweep_dir if sweep_dir.is_absolute() else ROOT / sweep_dir).resolve()
+
+    try:
+        jobs = plan(suite, sweep_dir, extra, check_config=not a.no_config_check)
+    except Exception as e:  # noqa: BLE001 - a bad override or experiment: one line
+        print(f"ablations: error: cannot compose a planned run: {' '.join(str(e).split())[:400]}", file=sys.stderr)
+        return 2
+    n = {s: sum(j.status == s for j in jobs) for s in ("finished", "resume", "stale", "missing", "shared")}
+    print(f"[ablations] suite {suite.name}: {len(jobs)} runs in {len(suite.ablations)} ablations "
+          f"({len(suite.seeds)} seeds) under {sweep_dir}: {n['finished']} finished (skipped), {n['shared']} shared "
+          f"with an identical run of another ablation (linked), {n['resume']} to resume, {n['stale']} stale (rerun), "
+          f"{n['missing']} to run")
+    for j in jobs:
+        if j.status in ("stale", "resume", "shared"):
+            print(f"[ablations]   {j.status}: {j.ablation.name}/{j.run_dir.name}: {j.reason}")
+    cmds = plan_commands(suite, jobs, sweep_dir, extra, launcher_args(suite.launcher, a.jobs))
+    if a.dry_run:
+        for c in cmds:
+            print(shlex.join(c))
+        return 0
+    write_metadata(suite, sweep_dir, extra)
+    for j in jobs:
+        if j.status == "stale":
+            print(f"[ablations]   moved stale {j.run_dir.name} to {move_stale(j)}")
+        elif j.status == "shared":
+            link_shared(j)
+    env = dict(os.environ)
+    env.setdefault("HF_HUB_OFFLINE", "1")
+    env.setdefault("WANDB_MODE", "offline")
+    env.setdefault("TOKENIZERS_PARALLELISM", "false")
+    if a.threads > 0 and not suite.launcher:
+        env["OMP_NUM_THREADS"] = env["MKL_NUM_THREADS"] = str(a.threads)
+    t0 = time.time()
+    codes = run_commands(cmds, env, concurrent=bool(suite.launcher))
+    failed = sum(rc != 0 for rc in codes)
+    print(f"[ablations] {len(cmds)} commands in {time.time() - t0:.0f} s, {failed} failed")
+    if not a.no_report:
+        md = report.build_report(sweep_dir)
+        print(f"[ablations] report: {md}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
