@@ -11,7 +11,7 @@ from stepflow.policies.shapes import ShapesPolicy
 
 CONF = Path(__file__).resolve().parent.parent / "conf"
 TINY = dict(num_layers=2, num_attention_heads=2, attention_head_dim=8, text_dim=16, text_layers=1, text_heads=2,
-            pooled_dim=16)
+            pooled_dim=16, init="default")
 KEYS = {"geneval", *(f"geneval_{c}" for c in ("single_object", "two_object", "counting", "colors", "position",
                                                "color_attr"))}
 

@@ -10,7 +10,7 @@ from stepflow.policies.base import LORA_TARGETS_SD3
 from stepflow.policies.shapes import ShapesPolicy, build_vocab, default_asset_dir, tokenize_words, world_vocab
 
 TINY = dict(num_layers=2, num_attention_heads=2, attention_head_dim=8, text_dim=16, text_layers=1, text_heads=2,
-            pooled_dim=16)
+            pooled_dim=16, init="default")
 PROMPTS = ["a photo of a red circle", "a photo of two squares", "", "a photo of a triangle left of a circle"]
 
 
@@ -118,3 +118,19 @@ def test_asset_found_through_package_resources():
 
     res = resources.files("stepflow") / "assets" / "shapes_base" / "config.json"
     assert res.is_file()
+
+
+def test_x_prediction_and_dit_init():
+    torch.manual_seed(0)
+    pol = ShapesPolicy.build(vocab=build_vocab(PROMPTS), **{**TINY, "init": "dit", "prediction": "x"}).eval()
+    x, c = torch.randn(2, 3, 32, 32), pol.encode(PROMPTS[:2])
+    t = torch.tensor([0.5, 0.01])
+    with torch.no_grad():
+        raw = pol.transformer(hidden_states=x, encoder_hidden_states=c.tokens, pooled_projections=c.pooled,
+                              timestep=t * 1000, return_dict=False)[0]
+        v = pol.velocity(x, t, c)
+    assert torch.count_nonzero(raw) == 0  # adaLN-Zero: a fresh model outputs 0
+    expect = (x - raw) / t.clamp_min(pol.config.t_eps).view(-1, 1, 1, 1)
+    assert torch.allclose(v, expect)
+    with pytest.raises(ValueError, match="prediction"):
+        ShapesPolicy.build(vocab=build_vocab(PROMPTS), **{**TINY, "prediction": "eps"})

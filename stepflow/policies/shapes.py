@@ -89,6 +89,13 @@ class ShapesConfig:
     pooled_dim: int = 64
     #: time-grid shift for sampling (``stepflow.sde.time_grid``)
     shift: float = 1.0
+    #: what the transformer outputs: "v" (velocity, as SD3) or "x" (the clean image x0; ``velocity`` converts it
+    #: to ``v = (x_t - x0) / max(t, t_eps)``, "x-prediction" as in JiT, Li & He 2025)
+    prediction: str = "v"
+    t_eps: float = 0.05
+    #: weight init of a fresh model: "dit" (DiT's adaLN-Zero: zero modulation and output layers, xavier linears)
+    #: or "default" (diffusers' own init)
+    init: str = "dit"
     #: free-form training record (steps, seed, metrics) written by the pretraining script
     meta: dict[str, Any] = field(default_factory=dict)
 
@@ -135,6 +142,31 @@ class WordTextEncoder(nn.Module):
         return h, self.pool(h[:, 0])
 
 
+def dit_init(tr: nn.Module) -> None:
+    """DiT's initialisation (Peebles & Xie 2023) for a diffusers ``SD3Transformer2DModel``: xavier-uniform linears
+    and patch embedding, N(0, 0.02) timestep MLP, and zero adaLN modulation and output projection (adaLN-Zero:
+    every block starts as the identity and the model's output as 0)."""
+    for m in tr.modules():
+        if isinstance(m, nn.Linear):
+            nn.init.xavier_uniform_(m.weight)
+            if m.bias is not None:
+                nn.init.zeros_(m.bias)
+    w = tr.pos_embed.proj.weight
+    nn.init.xavier_uniform_(w.view(w.shape[0], -1))
+    nn.init.zeros_(tr.pos_embed.proj.bias)
+    te = tr.time_text_embed.timestep_embedder
+    for lin in (te.linear_1, te.linear_2):
+        nn.init.normal_(lin.weight, std=0.02)
+    for blk in tr.transformer_blocks:
+        for norm in (blk.norm1, blk.norm1_context):
+            nn.init.zeros_(norm.linear.weight)
+            if norm.linear.bias is not None:
+                nn.init.zeros_(norm.linear.bias)
+    for lin in (tr.norm_out.linear, tr.proj_out):
+        nn.init.zeros_(lin.weight)
+        nn.init.zeros_(lin.bias)
+
+
 class ShapesPolicy(FlowPolicy):
     """Tiny pixel-space SD3 flow model of the shapes world (see the module docstring)."""
 
@@ -150,6 +182,12 @@ class ShapesPolicy(FlowPolicy):
             joint_attention_dim=c.text_dim, caption_projection_dim=c.num_attention_heads * c.attention_head_dim,
             pooled_projection_dim=c.pooled_dim, pos_embed_max_size=c.image_size // c.patch_size, qk_norm=c.qk_norm)
         self.text_encoder = WordTextEncoder(c.vocab, c.max_length, c.text_dim, c.text_layers, c.text_heads, c.pooled_dim)
+        if c.init == "dit":
+            dit_init(self.transformer)
+        elif c.init != "default":
+            raise ValueError(f"arch.init: unknown {c.init!r}; use dit or default")
+        if c.prediction not in ("v", "x"):
+            raise ValueError(f"arch.prediction: unknown {c.prediction!r}; use v or x")
         self.latent_shape = (3, c.image_size, c.image_size)
         self.shift = float(c.shift)
         self._cache: dict[str, tuple[Tensor, Tensor]] = {}
@@ -196,6 +234,13 @@ class ShapesPolicy(FlowPolicy):
         return path
 
     # ------------------------------------------------------------------ FlowPolicy
+    def _forward(self, x: Tensor, t: Tensor, cond: Cond) -> Tensor:
+        out = super()._forward(x, t, cond)
+        if self.config.prediction == "x":  # the transformer predicts x0: v = (x_t - x0) / t
+            tt = t.float().clamp_min(self.config.t_eps).view(-1, 1, 1, 1)
+            out = (x.float() - out) / tt
+        return out
+
     def encode(self, prompts: Sequence[str]) -> Cond:
         """Prompts -> Cond (tokens (B, L, D), pooled (B, P), mask (B, L)). Cached per prompt while the text encoder
         is frozen (eval mode or no grad); in training mode with grad the encoder runs and nothing is cached."""
