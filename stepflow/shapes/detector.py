@@ -237,13 +237,14 @@ def _pixel_colors(pix: np.ndarray) -> np.ndarray:
 
 
 def detect(image, min_area: int | None = None, threshold: float = FG_THRESHOLD,
-           min_conf: float = MIN_CONF) -> list[Detection]:
+           min_conf: float | None = None) -> list[Detection]:
     """Objects in ``image`` ((H, W, 3) or (3, H, W) float in [0, 1], numpy or torch), sorted by (cy, cx).
 
     ``min_area`` defaults to 8 px at 32 x 32, scaled with the image area (the smallest shape has ~25 px).
     Candidates whose :func:`shape_fit` is below ``min_conf`` are dropped (not objects)."""
     img = _as_hwc(image)
     h, w, _ = img.shape
+    min_conf = MIN_CONF if min_conf is None else min_conf
     if min_area is None:
         min_area = max(2, round(8 * h * w / 1024))
     fg = np.sqrt(((img - _BG) ** 2).sum(-1)) > threshold
