@@ -251,6 +251,15 @@ class GRPOModule(L.LightningModule):
                 p.grad = torch.zeros_like(p)
             torch.distributed.all_reduce(p.grad)
 
+    def _manual_grad_sync(self) -> bool:
+        """True under DDP, where we all-reduce LoRA gradients ourselves; sharded strategies (FSDP, DeepSpeed) reduce
+        their own gradients in backward."""
+        if self._trainer is None or self.trainer.world_size == 1:
+            return False
+        from lightning.pytorch.strategies import DDPStrategy
+
+        return isinstance(self.trainer.strategy, DDPStrategy)
+
     def _disable_ddp_sync(self) -> None:
         model = getattr(self.trainer.strategy, "model", None)
         if model is not None and hasattr(model, "require_backward_grad_sync"):
@@ -289,7 +298,7 @@ class GRPOModule(L.LightningModule):
         if self.iteration >= self.loop.iterations:  # e.g. resuming a finished run
             self.trainer.should_stop = True
             return None
-        if self.trainer.world_size > 1:
+        if self._manual_grad_sync():
             self._disable_ddp_sync()  # gradients are all-reduced by hand in update()
         try:
             metrics = self.iterate()
@@ -439,7 +448,7 @@ class GRPOModule(L.LightningModule):
                             stats.setdefault(name, []).append(float(v))
                             if name in ("clip_frac", "kl"):
                                 stats.setdefault(f"{name}_step{k}", []).append(float(v))
-            if world > 1:
+            if self._manual_grad_sync():
                 self._all_reduce_grads()
             if o.max_grad_norm > 0:
                 gn = torch.nn.utils.clip_grad_norm_(list(pol.lora_parameters()), o.max_grad_norm)
