@@ -435,7 +435,7 @@ class GRPOModule(L.LightningModule):
             if n_global == 0:
                 continue
             opt.zero_grad(set_to_none=True)
-            mbs = list(chunk.split(o.micro_batch_size))
+            mbs = [mb for mb in chunk.split(o.micro_batch_size) if len(mb)]
             for k in steps:
                 for mb in mbs:
                     out = self._loss_term(traj, adv, k, mb, times)
