@@ -309,7 +309,8 @@ def run(cfg) -> dict[str, Any]:
                         categories=cfg.data.get("categories"), empty_prompt_prob=float(cfg.data.empty_prompt_prob))
     loader = DataLoader(data, batch_size=None, num_workers=int(cfg.data.num_workers))
     callbacks = [ModelCheckpoint(dirpath=str(out / "checkpoints"), filename="last", save_last=False,
-                                 every_n_train_steps=int(tcfg.checkpoint_every_n_steps), save_top_k=1)]
+                                 every_n_train_steps=int(tcfg.checkpoint_every_n_steps), save_top_k=1,
+                                 enable_version_counter=False)]
     if tcfg.get("progress_bar", True):
         callbacks.append(TQDMProgressBar(refresh_rate=int(tcfg.get("progress_refresh", 10))))
     trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=int(tcfg.max_steps), max_time=tcfg.get("max_time"),
@@ -325,7 +326,9 @@ def run(cfg) -> dict[str, Any]:
     log.info("trained %d steps in %.0f s", steps, train_time)
     summary: dict[str, Any] = {"steps": steps, "train_time_s": round(train_time, 1), "parameters": n_params,
                                "history": module.history}
-    summary.update(finalize(cfg, out, module.history, steps, train_time, n_params))
+    # the complete record (a resumed run appended to the same evals.jsonl)
+    history = read_history(out) if (out / "evals.jsonl").is_file() else module.history
+    summary.update(finalize(cfg, out, history, steps, train_time, n_params))
     (out / "summary.json").write_text(json.dumps(summary, indent=1, default=str))
     return summary
 
