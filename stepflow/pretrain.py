@@ -46,13 +46,14 @@ class ShapesStream(IterableDataset):
     """Endless batches ``(x0 (B, 3, S, S) in [-1, 1], prompts list[str])`` rendered on the fly.
 
     ``categories``: the categories to draw from (None = all, round-robin so every batch is balanced);
-    ``empty_prompt_prob``: probability of replacing a prompt by ``""`` (the image stays, as in CFG training).
+    ``empty_prompt_prob``: probability of replacing a prompt by ``""`` (the image stays, as in CFG training);
+    ``start``: the step a resumed run starts from (part of the seed, so resuming does not replay the data).
     """
 
     def __init__(self, batch_size: int = 64, seed: int = 0, size: int = 32, categories: list[str] | None = None,
-                 empty_prompt_prob: float = 0.1):
+                 empty_prompt_prob: float = 0.1, start: int = 0):
         super().__init__()
-        self.batch_size, self.seed, self.size = int(batch_size), int(seed), int(size)
+        self.batch_size, self.seed, self.size, self.start = int(batch_size), int(seed), int(size), int(start)
         self.categories = list(categories) if categories else None
         self.empty_prompt_prob = float(empty_prompt_prob)
 
@@ -61,7 +62,7 @@ class ShapesStream(IterableDataset):
 
         info = torch.utils.data.get_worker_info()
         wid = 0 if info is None else info.id
-        rng = np.random.default_rng([self.seed, wid])
+        rng = np.random.default_rng([self.seed, wid] + ([self.start] if self.start else []))
         cats = self.categories or list(shapes.CATEGORIES)
         k = 0
         while True:
@@ -305,7 +306,10 @@ def run(cfg) -> dict[str, Any]:
                             max_steps=int(tcfg.max_steps), vocab=vocab, max_length=longest + 1, out_dir=str(out))
     n_params = module.policy.num_parameters()
     log.info("ShapesPolicy: %s parameters; vocab %d words; max_length %d", n_params, len(vocab), longest + 1)
-    data = ShapesStream(batch_size=cfg.data.batch_size, seed=int(cfg.seed), size=int(cfg.arch.image_size),
+    # a resumed run continues with fresh data (the stream's seed includes the step it resumes from)
+    start = int(torch.load(str(cfg.resume), map_location="cpu", weights_only=False).get("global_step", 0)) \
+        if cfg.get("resume") else 0
+    data = ShapesStream(batch_size=cfg.data.batch_size, seed=int(cfg.seed), start=start, size=int(cfg.arch.image_size),
                         categories=cfg.data.get("categories"), empty_prompt_prob=float(cfg.data.empty_prompt_prob))
     loader = DataLoader(data, batch_size=None, num_workers=int(cfg.data.num_workers))
     callbacks = [ModelCheckpoint(dirpath=str(out / "checkpoints"), filename="last", save_last=False,
