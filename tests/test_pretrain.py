@@ -77,3 +77,12 @@ def test_one_pretraining_run_writes_checkpoints(tmp_path):
     pol = ShapesPolicy.from_pretrained(tmp_path / "selected")
     assert pol.config.num_layers == 2
     assert len(list((tmp_path / "grids").glob("*.png"))) == 2
+
+    # resume from the Lightning checkpoint for one more step (fresh data, same run dir, whole history kept)
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        cfg = compose(config_name="pretrain", overrides=[o for o in overrides if not o.startswith("trainer.max_steps")]
+                      + ["trainer.max_steps=3", f"resume={tmp_path / 'checkpoints' / 'last.ckpt'}"])
+    summary = run(cfg)
+    assert summary["steps"] == 3
+    assert [r["step"] for r in summary["history"] if "step" in r][-1] == 3
+    assert len((tmp_path / "evals.jsonl").read_text().splitlines()) == 3
