@@ -113,6 +113,8 @@ class PretrainModule(pl.LightningModule):
         self.out_dir = Path(out_dir) if out_dir else None
         self.history: list[dict[str, Any]] = []
         self._t0 = None
+        #: training seconds before this process (a resumed run), so ``train_time_s`` is cumulative
+        self.time_offset = 0.0
         self._eval_records = None
 
     # ---------------------------------------------------------------- optimisation
@@ -186,7 +188,7 @@ class PretrainModule(pl.LightningModule):
         table, images, recs = evaluate_geneval(self.ema, self.eval_records(), num_steps=int(e["num_steps"]),
                                                guidance=float(e["guidance"]), seed=int(e["seed"]))
         self.ema.clear_cache()
-        elapsed = time.perf_counter() - (self._t0 or t0)
+        elapsed = time.perf_counter() - (self._t0 or t0) + self.time_offset
         row = {"step": int(step), "train_time_s": round(elapsed, 1), "eval_time_s": round(time.perf_counter() - t0, 2),
                **{k: round(v, 4) for k, v in table.items()}}
         self.history.append(row)
@@ -304,6 +306,8 @@ def run(cfg) -> dict[str, Any]:
                             ema=OmegaConf.to_container(cfg.ema, resolve=True),
                             evaluation=OmegaConf.to_container(cfg.eval, resolve=True),
                             max_steps=int(tcfg.max_steps), vocab=vocab, max_length=longest + 1, out_dir=str(out))
+    if cfg.get("resume") and (out / "evals.jsonl").is_file():
+        module.time_offset = float(read_history(out)[-1]["train_time_s"])
     n_params = module.policy.num_parameters()
     log.info("ShapesPolicy: %s parameters; vocab %d words; max_length %d", n_params, len(vocab), longest + 1)
     # a resumed run continues with fresh data (the stream's seed includes the step it resumes from)
@@ -325,7 +329,7 @@ def run(cfg) -> dict[str, Any]:
                          num_sanity_val_steps=0)
     t0 = time.perf_counter()
     trainer.fit(module, train_dataloaders=loader, ckpt_path=cfg.get("resume") or None)
-    train_time = time.perf_counter() - t0
+    train_time = time.perf_counter() - t0 + module.time_offset
     steps = int(trainer.global_step)
     log.info("trained %d steps in %.0f s", steps, train_time)
     summary: dict[str, Any] = {"steps": steps, "train_time_s": round(train_time, 1), "parameters": n_params,
