@@ -141,8 +141,9 @@ def run(cfg: DictConfig, run_dir: Path) -> "GRPOModule":  # noqa: F821
             raise StepflowError(f"ckpt_path: checkpoint not found: {ckpt} (point it at <run dir>/checkpoints/last.ckpt)")
     run_dir.mkdir(parents=True, exist_ok=True)
     OmegaConf.save(cfg, run_dir / "config.yaml", resolve=True)
-    if cfg.get("torch_threads"):
-        torch.set_num_threads(int(cfg.torch_threads))
+    threads = cfg.get("torch_threads") or cfg.trainer.get("torch_threads")
+    if threads:  # oversubscribed OpenMP threads on a shared CPU are ~10x slower than one thread each
+        torch.set_num_threads(int(threads))
     module = build_module(cfg, run_dir)
     trainer = build_trainer(cfg, run_dir)
     ticks = DataLoader(list(range(1)), batch_size=None)  # one "batch" per epoch = one GRPO iteration
