@@ -93,9 +93,9 @@ class ShapesConfig:
     #: to ``v = (x_t - x0) / max(t, t_eps)``, "x-prediction" as in JiT, Li & He 2025)
     prediction: str = "v"
     t_eps: float = 0.05
-    #: weight init of a fresh model: "dit" (DiT's adaLN-Zero: zero modulation and output layers, xavier linears)
-    #: or "default" (diffusers' own init)
-    init: str = "dit"
+    #: weight init of a fresh model: "dit" (DiT's adaLN-Zero: zero modulation and output layers, xavier linears;
+    #: what pretraining uses) or "default" (diffusers' own init: a random model with non-zero outputs, for tests)
+    init: str = "default"
     #: free-form training record (steps, seed, metrics) written by the pretraining script
     meta: dict[str, Any] = field(default_factory=dict)
 
