@@ -10,10 +10,8 @@ ODE and regresses the student's Tweedie estimate onto a two-step-later target, w
 
 from __future__ import annotations
 
-import copy
-import math
 import time
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -369,8 +367,6 @@ class GRPOModule(L.LightningModule):
         upd = self.update(traj, adv)
         t4 = time.perf_counter()
 
-        if self.lora_ema is not None:
-            pass  # EMA is stepped per optimizer step inside update()
         nfe = nfe_roll + nfe_est + upd.pop("nfe")
         self.nfe_total += nfe * world
         self.reward_images_total += n_images * world

@@ -19,9 +19,7 @@ def plot_curves(history: Sequence[dict[str, float]], path: str | Path, title: st
     evals: dict[str, list[tuple[float, float]]] = {}
     for h in history:
         for k, v in h.items():
-            if k.startswith("eval/") and (k == "eval/geneval" or "_" not in k.split("/", 1)[1] or k.count("/") == 1):
-                if k.startswith("eval/geneval_"):
-                    continue
+            if k.startswith("eval/") and not k.startswith("eval/geneval_"):  # per-category rows stay in metrics.csv
                 evals.setdefault(k, []).append((h["iteration"], v))
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
     if train:
