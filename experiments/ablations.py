@@ -138,8 +138,8 @@ def make_ablations(scale: str, names: Sequence[str] | None = None,
     return out
 
 
-#: overrides of the quick suite: the miniature protocol at a quarter of the length and half the batch
-QUICK_COMMON = ["loop.iterations=10", "loop.prompts_per_iter=2", "eval.every=5", "eval.max_prompts=96"]
+#: overrides of the quick suite: the miniature protocol at under a third of the length and half the group
+QUICK_COMMON = ["loop.iterations=6", "loop.group_size=8", "eval.every=3", "eval.max_prompts=96"]
 
 
 def build_suites() -> dict[str, Suite]:
@@ -153,8 +153,8 @@ def build_suites() -> dict[str, Suite]:
                                               "credit": {"advantage": ["gain", "gae"]}},
                        extra_override={"substeps": []}),
         [0, 1], common=list(QUICK_COMMON), sweep_dir="outputs/ablations/quick",
-        description="Quick suite (`make ablations-quick`): the miniature suite reduced to 10 iterations of 2 prompts "
-                    "x 16 samples, evaluation on 96 held-out prompts every 5 iterations, 2 seeds, fewer arms "
+        description="Quick suite (`make ablations-quick`): the miniature suite reduced to 6 iterations of 2 prompts "
+                    "x 8 samples, evaluation on 96 held-out prompts every 3 iterations, 2 seeds, fewer arms "
                     "(T' in {1, 5}; credit gain vs GAE). A check of the whole pipeline with a first signal, not a "
                     "result.")
     paper = Suite(

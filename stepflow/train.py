@@ -95,7 +95,7 @@ def build_module(cfg: DictConfig, run_dir: Path):
     train_records = load_prompt_file(cfg.data.train_file, "data.train_file")
     eval_records = load_prompt_file(cfg.data.eval_file, "data.eval_file")
     plan = GroupSampler(train_records, loop.prompts_per_iter, loop.group_size, seed=loop.seed,
-                        same_latent=loop.same_latent)
+                        same_latent=loop.same_latent, balance_by=cfg.data.get("balance_by"))
     torch.manual_seed(loop.seed)
     policy = build_policy(cfg)
     reward = build_reward(cfg)
