@@ -452,6 +452,14 @@ def choose_target(arms: Sequence[Arm], metric: str | None, target: float | None,
                f"(to {max(finals):.4g})")
 
 
+def _shown(p: Path) -> str:
+    """``p`` relative to the working directory when it lies below it (reports committed to a repository)."""
+    try:
+        return str(p.relative_to(Path.cwd().resolve()))
+    except ValueError:
+        return str(p)
+
+
 def build_report(root: str | Path, out_dir: str | Path | None = None, metric: str | None = None,
                  target: float | None = None, target_frac: float = 0.5, include_unfinished: bool = False) -> Path:
     """Write ``report.md``, ``summary.json`` and the plots for every ablation under ``root``; returns report.md."""
@@ -464,7 +472,7 @@ def build_report(root: str | Path, out_dir: str | Path | None = None, metric: st
         by_abl.setdefault(r.ablation, []).append(r)
     suite = _read_json(root / "suite.json")
     lines = [f"# Ablation report: {root.name}", "",
-             f"Sweep directory `{root}`; generated {time.strftime('%Y-%m-%d %H:%M:%S')} by `experiments/report.py` from "
+             f"Sweep directory `{_shown(root)}`; generated {time.strftime('%Y-%m-%d %H:%M:%S')} by `experiments/report.py` from "
              f"the run directories ({len(runs)} runs, {len(by_abl)} ablations).", ""]
     if suite.get("description"):
         lines += [suite["description"], ""]

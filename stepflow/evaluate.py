@@ -37,6 +37,7 @@ def load_policy(cfg: DictConfig):
 
     mcfg = OmegaConf.to_container(cfg.model, resolve=True)
     mcfg.pop("name", None)
+    mcfg.pop("ddim_schedule", None)
     mcfg.pop("lora", None)
     ckpt = cfg.get("ckpt_path")
     if ckpt:

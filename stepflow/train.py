@@ -44,6 +44,7 @@ def build_policy(cfg: DictConfig):
     mcfg = _container(cfg.model)
     lora = mcfg.pop("lora", None) or _container(cfg.get("lora"))
     mcfg.pop("name", None)
+    mcfg.pop("ddim_schedule", None)  # a sampling preference of the model (conf/sampler/ddim_sde.yaml reads it)
     policy = _instantiate(mcfg, "model")
     if lora and lora.get("rank", 0) > 0:
         policy.add_lora(rank=int(lora["rank"]), alpha=float(lora.get("alpha", lora["rank"])),

@@ -129,6 +129,8 @@ def test_run_name_is_hydras_override_dirname():
     parsed = OverridesParser.create().parse_overrides(lines)
     expect = get_overrides_dirname(parsed, ["experiment", "ckpt_path", "loop.iterations"], ",", "=")
     assert ablations.run_name(arm, 2) == expect == "advantage=gain,loop.substeps=5,sampler=ddim_sde,seed=2"
+    # a boolean override is written as Hydra parses it (True), else finished runs would be planned again
+    assert ablations.run_name({"loop.adaptive_substeps": "true"}, 0) == "loop.adaptive_substeps=True,seed=0"
 
 
 # ---------------------------------------------------------------------------------------------------- report

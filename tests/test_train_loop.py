@@ -128,6 +128,8 @@ def _cli(*args: str, timeout: int = 240) -> subprocess.CompletedProcess:
     (["loop.frobnicate=1"], "frobnicate"),
     (["data.train_file=/nonexistent/prompts.jsonl"], "data.train_file"),
     (["ckpt_path=/nonexistent/last.ckpt"], "ckpt_path"),
+    (["data.balance_by=nokey"], "data.balance_by"),
+    (["sampler=ddim_sde", "sampler.schedule=bogus"], "sampler.schedule"),
 ])
 def test_bad_overrides_give_one_line_errors(tmp_path, args, needle):
     r = _cli("experiment=smoke", f"hydra.run.dir={tmp_path}", *args)
