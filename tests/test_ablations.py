@@ -3,6 +3,8 @@ planned command lines (nothing is trained here, except in the `slow` end-to-end 
 
 from __future__ import annotations
 
+import os
+
 import csv
 import itertools
 import json
@@ -247,6 +249,11 @@ def test_finished_vs_unfinished_runs(tmp_path):
     assert not report.run_finished(partial, iterations=4) and report.run_finished(partial, iterations=2)
     lora_only = _write_run(tmp_path / "lora", _cfg("gain", 0, 4), {0: 0.1}, 4, lora=True)
     assert report.run_finished(lora_only)
+    # the same directory being run again from scratch: a checkpoint newer than the old adapter -> not finished
+    rerun = _write_run(tmp_path / "rerun", _cfg("gain", 0, 4), {0: 0.1}, 4, lora=True, ckpt=True)
+    ad = rerun / "lora" / "pytorch_lora_weights.safetensors"
+    os.utime(ad, (ad.stat().st_mtime - 60, ad.stat().st_mtime - 60))
+    assert not report.run_finished(rerun) and ablations.job_status(rerun)[0] == "resume"
     assert not report.run_finished(tmp_path / "nothing")
     assert ablations.job_status(done)[0] == "finished"
     assert ablations.job_status(partial)[0] == "resume"
