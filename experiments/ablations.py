@@ -173,16 +173,12 @@ def override_key(override: str) -> str:
 def run_name(arm: dict[str, str], seed: int) -> str:
     """The run directory name Hydra gives the job: ``override_dirname`` of the arm's overrides and the seed (each
     ``key=value``, sorted as strings, joined by ``,``; Hydra's defaults kv_sep ``=`` and item_sep ``,``)."""
-    lines = [f"{k}={v}" for k, v in arm.items()] + [f"seed={seed}"]
-    try:  # as Hydra's sweeper rewrites each job's overrides: parsed values as strings (`true` -> `True`, 1e-3 -> 0.001)
-        from hydra._internal.config_loader_impl import get_overrides_dirname
-        from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.core.override_parser.overrides_parser import OverridesParser
 
-        parser = OverridesParser.create()
-        lines = [f"{o.key_or_group}={o.get_value_element_as_str()}" for o in parser.parse_overrides(lines)]
-        return get_overrides_dirname(parser.parse_overrides(lines), [], ",", "=")
-    except ImportError:  # pragma: no cover - hydra is a core dependency
-        return ",".join(sorted(lines))
+    lines = [f"{k}={v}" for k, v in arm.items()] + [f"seed={seed}"]
+    # as Hydra's sweeper rewrites each job's overrides: parsed values as strings (`true` -> `True`, 1e-3 -> 0.001)
+    parsed = OverridesParser.create().parse_overrides(lines)
+    return ",".join(sorted(f"{o.key_or_group}={o.get_value_element_as_str()}" for o in parsed))
 
 
 def arm_label(arm: dict[str, str]) -> str:

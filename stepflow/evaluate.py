@@ -35,10 +35,9 @@ def load_policy(cfg: DictConfig):
 
     from stepflow.evaluation import load_lora
 
-    mcfg = OmegaConf.to_container(cfg.model, resolve=True)
-    mcfg.pop("name", None)
-    mcfg.pop("ddim_schedule", None)
-    mcfg.pop("lora", None)
+    from stepflow.train import model_kwargs
+
+    mcfg, _ = model_kwargs(cfg.model)
     ckpt = cfg.get("ckpt_path")
     if ckpt:
         p = Path(str(ckpt)).expanduser()

@@ -37,14 +37,25 @@ def _instantiate(node: dict, field: str):
         raise StepflowError(f"{field}: {' '.join(str(e).split())[:300]}") from None
 
 
+#: keys of a model config that are not constructor arguments: its name, its own LoRA block, and sampling preferences
+#: that other config groups read (conf/sampler/ddim_sde.yaml reads ``ddim_schedule``)
+MODEL_META_KEYS = ("name", "lora", "ddim_schedule")
+
+
+def model_kwargs(node) -> tuple[dict, dict | None]:
+    """A model config node as instantiate kwargs (``_target_`` kept, :data:`MODEL_META_KEYS` removed) and its own
+    ``lora`` block (None when it has none)."""
+    mcfg = _container(node)
+    lora = mcfg.get("lora")
+    for k in MODEL_META_KEYS:
+        mcfg.pop(k, None)
+    return mcfg, lora
+
+
 def build_policy(cfg: DictConfig):
     """Instantiate the model config (``_target_`` + kwargs) and add the LoRA adapter of ``cfg.lora``."""
-    import hydra.utils
-
-    mcfg = _container(cfg.model)
-    lora = mcfg.pop("lora", None) or _container(cfg.get("lora"))
-    mcfg.pop("name", None)
-    mcfg.pop("ddim_schedule", None)  # a sampling preference of the model (conf/sampler/ddim_sde.yaml reads it)
+    mcfg, lora = model_kwargs(cfg.model)
+    lora = lora or _container(cfg.get("lora"))
     policy = _instantiate(mcfg, "model")
     if lora and lora.get("rank", 0) > 0:
         policy.add_lora(rank=int(lora["rank"]), alpha=float(lora.get("alpha", lora["rank"])),

@@ -64,19 +64,3 @@ def test_shards_partition_the_global_plan():
     assert parts[0].prompts + parts[1].prompts == plan.prompts
     assert parts[0].sample_seeds.tolist() + parts[1].sample_seeds.tolist() == plan.sample_seeds.tolist()
 
-
-def test_ddim_schedule_default_follows_the_model():
-    """conf/sampler/ddim_sde.yaml reads model.ddim_schedule (shapes: eta_s), the paper's schedule otherwise, and an
-    explicit sampler.schedule override always wins."""
-    from hydra import compose, initialize_config_dir
-    from hydra.core.global_hydra import GlobalHydra
-
-    from stepflow.cli import CONF_DIR
-
-    GlobalHydra.instance().clear()
-    with initialize_config_dir(str(CONF_DIR), version_base=None):
-        assert compose("train").sampler.schedule == "eta_s"
-        assert compose("train", overrides=["model=sd3_tiny"]).sampler.schedule == "eta_s_sqrt1mt"
-        assert compose("train", overrides=["sampler.schedule=eta_t_sqrt1mt"]).sampler.schedule == "eta_t_sqrt1mt"
-        assert compose("train", overrides=["experiment=mini_fig6_sde", "sampler=ddim_sde"]).sampler.schedule == "eta_s_sqrt1mt"
-    GlobalHydra.instance().clear()

@@ -202,3 +202,15 @@ def test_reward_service_failure_stops_cleanly_and_resumes(tmp_path):
         assert len([r for r in read_metrics(tmp_path) if r.get("train/reward_final")]) == 3
     finally:
         server.shutdown()
+
+
+def test_ddim_schedule_default_follows_the_model():
+    """conf/sampler/ddim_sde.yaml reads model.ddim_schedule (shapes: eta_s), the paper's schedule otherwise, and an
+    explicit sampler.schedule override always wins."""
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(str(CONF_DIR), version_base=None):
+        assert compose("train").sampler.schedule == "eta_s"
+        assert compose("train", overrides=["model=sd3_tiny"]).sampler.schedule == "eta_s_sqrt1mt"
+        assert compose("train", overrides=["sampler.schedule=eta_t_sqrt1mt"]).sampler.schedule == "eta_t_sqrt1mt"
+        assert compose("train", overrides=["experiment=mini_fig6_sde", "sampler=ddim_sde"]).sampler.schedule == "eta_s_sqrt1mt"
+    GlobalHydra.instance().clear()
