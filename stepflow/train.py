@@ -37,9 +37,9 @@ def _instantiate(node: dict, field: str):
         raise StepflowError(f"{field}: {' '.join(str(e).split())[:300]}") from None
 
 
-#: keys of a model config that are not constructor arguments: its name, its own LoRA block, and sampling preferences
-#: that other config groups read (conf/sampler/ddim_sde.yaml reads ``ddim_schedule``)
-MODEL_META_KEYS = ("name", "lora", "ddim_schedule")
+#: keys of a model config that are not constructor arguments: its name, its own LoRA block, and training preferences
+#: that other config groups read (conf/sampler/ddim_sde.yaml reads ``ddim_schedule``, conf/train.yaml ``train_steps``)
+MODEL_META_KEYS = ("name", "lora", "ddim_schedule", "train_steps")
 
 
 def model_kwargs(node) -> tuple[dict, dict | None]:
@@ -87,6 +87,34 @@ def _make(cls, node, prefix: str):
         raise StepflowError(msg if msg.startswith(prefix + ".") else f"{prefix}.{msg}") from None
 
 
+def check_train_steps(optim, sampler, num_steps: int) -> None:
+    """One-line errors for ``train.train_steps`` that would train nothing: an index outside ``0..T−1``, or (for a
+    stochastic sampler) only steps whose noise std is 0 on the grid, e.g. step 0 under the paper's DDIM schedule.
+
+    Which steps are deterministic does not depend on the grid's shift (σ = 0 only where t = 1 or s = 0, the grid's
+    ends), so a shift-1 grid stands in for the model's.
+    """
+    from stepflow.sde import step_std, time_grid
+
+    steps = optim.train_steps
+    if steps is None:
+        return
+    bad = [k for k in steps if not isinstance(k, int) or not 0 <= k < num_steps]
+    if bad:
+        raise StepflowError(f"train.train_steps: step {bad[0]!r} is outside 0..{num_steps - 1} (loop.num_steps="
+                            f"{num_steps}); use step indices or train.train_steps=null for every stochastic step")
+    if not steps:
+        raise StepflowError("train.train_steps: empty list trains nothing; use null for every stochastic step")
+    if sampler.name == "ode":
+        return  # the ODE has no density at all (distill trains its own way); nothing to check
+    grid = time_grid(num_steps, shift=1.0)
+    live = [k for k in steps if float(step_std(sampler, grid[k], grid[k + 1], t_guard=grid[1])) > 0]
+    if not live:
+        raise StepflowError(f"train.train_steps: steps {list(steps)} carry no noise under sampler={sampler.name}"
+                            f"{' (schedule ' + sampler.schedule + ')' if sampler.name == 'ddim_sde' else ''}, so "
+                            "nothing would be trained; pick stochastic steps or train.train_steps=null")
+
+
 def build_module(cfg: DictConfig, run_dir: Path):
     """Everything but the Trainer: policy (+LoRA), reward, credit, sampler, group sampler, eval prompts."""
     from stepflow.credit import CreditConfig
@@ -104,6 +132,7 @@ def build_module(cfg: DictConfig, run_dir: Path):
         raise StepflowError(f"loop.num_steps: must be >= 2, got {loop.num_steps}")
     if loop.substeps < 1:
         raise StepflowError(f"loop.substeps: must be >= 1, got {loop.substeps}")
+    check_train_steps(optim, SamplerConfig(name="ode") if credit.scheme == "distill" else sampler, loop.num_steps)
     train_records = load_prompt_file(cfg.data.train_file, "data.train_file")
     eval_records = load_prompt_file(cfg.data.eval_file, "data.eval_file")
     plan = GroupSampler(train_records, loop.prompts_per_iter, loop.group_size, seed=loop.seed,

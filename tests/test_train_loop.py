@@ -130,6 +130,9 @@ def _cli(*args: str, timeout: int = 240) -> subprocess.CompletedProcess:
     (["ckpt_path=/nonexistent/last.ckpt"], "ckpt_path"),
     (["data.balance_by=nokey"], "data.balance_by"),
     (["sampler=ddim_sde", "sampler.schedule=bogus"], "sampler.schedule"),
+    (["train.train_steps=[12]"], "train.train_steps: step 12 is outside 0..3"),
+    (["train.train_steps=[]"], "train.train_steps: empty list"),
+    (["sampler=ddim_sde", "sampler.schedule=eta_s_sqrt1mt", "train.train_steps=[0]"], "carry no noise"),
 ])
 def test_bad_overrides_give_one_line_errors(tmp_path, args, needle):
     r = _cli("experiment=smoke", f"hydra.run.dir={tmp_path}", *args)
@@ -214,3 +217,25 @@ def test_ddim_schedule_default_follows_the_model():
         assert compose("train", overrides=["sampler.schedule=eta_t_sqrt1mt"]).sampler.schedule == "eta_t_sqrt1mt"
         assert compose("train", overrides=["experiment=mini_fig6_sde", "sampler=ddim_sde"]).sampler.schedule == "eta_s_sqrt1mt"
     GlobalHydra.instance().clear()
+
+
+def test_train_steps_default_follows_the_model():
+    """conf/train.yaml reads model.train_steps (shapes: [0]); other models and the miniature suite train every
+    stochastic step; an explicit override wins."""
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(str(CONF_DIR), version_base=None):
+        assert list(compose("train").train.train_steps) == [0]
+        assert compose("train", overrides=["model=sd3_tiny"]).train.train_steps is None
+        assert compose("train", overrides=["model=shapes_tiny"]).train.train_steps is None
+        assert compose("train", overrides=["experiment=mini_fig7_credit"]).train.train_steps is None
+        assert list(compose("train", overrides=["train.train_steps=[1,2]"]).train.train_steps) == [1, 2]
+    GlobalHydra.instance().clear()
+
+
+def test_explicit_train_steps_train_only_those_steps(tmp_path):
+    """train.train_steps=[1]: one step trained, and its log carries only that step's clip fraction."""
+    module, _ = fit(tmp_path, "train.train_steps=[1]", "loop.iterations=1")
+    train = [r for r in read_metrics(tmp_path) if r.get("train/reward_final")]
+    assert float(train[0]["train/steps_trained"]) == 1
+    assert train[0].get("train/clip_frac_step1") not in (None, "")
+    assert train[0].get("train/clip_frac_step0") in (None, "")

@@ -1,0 +1,72 @@
+"""Gradient coherence: how much of a step's policy gradient is signal (which steps are worth training).
+
+The policy-gradient estimate of one batch is ``g_i = μ + n_i``: the expected gradient ``μ`` plus zero-mean noise.
+For independent batches ``E[g_i·g_j] = |μ|²`` (i ≠ j) and ``E|g_i|² = |μ|² + E|n|²``, so the mean cosine between the
+gradients of independent batches estimates the signal fraction ``ρ = |μ|² / (|μ|² + E|n|²)`` (for comparable
+norms). ``ρ ≈ 0`` means a step's gradient is noise at this batch size; averaging ``B`` batches gives an SNR of
+``B·ρ / (1 − ρ)``. ``experiments/grad_coherence.py`` measures it per denoising step and credit scheme, which is how
+the embedded world's ``train_steps`` were chosen (only step 0 is coherent there; see conf/model/shapes.yaml).
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+from torch import Tensor
+
+__all__ = ["mean_pairwise_cosine", "signal_fraction", "step_gradients"]
+
+
+def mean_pairwise_cosine(g: Tensor) -> float:
+    """Mean cosine similarity over all pairs ``i < j`` of the rows of ``g`` (N, D), N >= 2.
+
+    Rows with zero norm count as cosine 0. An estimate of the signal fraction ρ (module docstring).
+    """
+    if g.ndim != 2 or g.shape[0] < 2:
+        raise ValueError(f"g: expected (N>=2, D), got {tuple(g.shape)}")
+    g = g.double()
+    u = g / g.norm(dim=1, keepdim=True).clamp(min=1e-300)
+    c = u @ u.T
+    n = g.shape[0]
+    return float((c.sum() - c.diagonal().sum()) / (n * (n - 1)))
+
+
+def signal_fraction(g: Tensor) -> float:
+    """Unbiased signal fraction ``ρ̂ = mean_{i≠j} g_i·g_j / mean_i |g_i|²`` of batch gradients ``g`` (N>=2, D).
+
+    Unlike :func:`mean_pairwise_cosine` it weights batches by their norms (``|μ|² / E|g|²`` exactly in expectation
+    of numerator and denominator).
+    """
+    if g.ndim != 2 or g.shape[0] < 2:
+        raise ValueError(f"g: expected (N>=2, D), got {tuple(g.shape)}")
+    g = g.double()
+    gram = g @ g.T
+    n = g.shape[0]
+    cross = (gram.sum() - gram.diagonal().sum()) / (n * (n - 1))
+    return float(cross / gram.diagonal().mean().clamp(min=1e-300))
+
+
+def step_gradients(module, traj, adv: Tensor, steps: Sequence[int]) -> Tensor:
+    """Flattened LoRA gradient of the GRPO loss of each step in ``steps`` over the whole batch: (len(steps), D).
+
+    ``module`` is a :class:`stepflow.grpo.GRPOModule` (its ``_loss_term`` defines the loss, β·KL included);
+    ``traj``/``adv`` come from one rollout and its credit assignment. The weights are not changed; gradients of
+    the LoRA parameters are left cleared.
+    """
+    params = list(module.policy.lora_parameters())
+    rows = torch.arange(traj.batch_size)
+    times = traj.times.to(module.device)
+    out = []
+    module.policy.train()
+    try:
+        for k in steps:
+            for p in params:
+                p.grad = None
+            module._loss_term(traj, adv, k, rows, times)["loss"].backward()
+            out.append(torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).flatten() for p in params]))
+    finally:
+        for p in params:
+            p.grad = None
+        module.policy.eval()
+    return torch.stack(out)
