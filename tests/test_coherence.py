@@ -89,3 +89,23 @@ def test_step_gradients_are_the_loss_gradients_and_leave_weights_alone(tmp_path)
     ref = torch.autograd.grad(-(adv[:, k] * out.log_prob).mean(), params, allow_unused=True)
     ref = torch.cat([(r if r is not None else torch.zeros_like(p)).flatten() for r, p in zip(ref, params)])
     torch.testing.assert_close(g1[0], ref, rtol=1e-4, atol=1e-10)
+
+
+def test_grad_coherence_experiment_writes_json_and_png(tmp_path):
+    """experiments/grad_coherence.py end to end on the smoke config: per-step rho for both schemes, a PNG."""
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "experiments" / "grad_coherence.py"
+    spec = importlib.util.spec_from_file_location("grad_coherence", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    res = mod.main(["--batches", "2", "--out", str(tmp_path), "experiment=smoke"])
+    saved = json.loads((tmp_path / "coherence.json").read_text())
+    assert (tmp_path / "coherence.png").stat().st_size > 1000
+    assert saved["steps"] == res["steps"] and len(saved["steps"]) >= 1
+    for scheme in ("gain", "uniform"):
+        r = saved["schemes"][scheme]
+        assert len(r["rho_per_step"]) == len(r["grad_norm_per_step"]) == len(saved["steps"])
+        assert all(-1.0 <= x <= 1.0 for x in r["rho_per_step"])
