@@ -5,6 +5,7 @@
     python experiments/ablations.py --suite quick            # reduced suite (make ablations-quick)
     python experiments/ablations.py --suite paper            # paper scale on SLURM (make ablations SCALE=paper)
     python experiments/ablations.py --suite quick --dry-run  # print the plan and the command lines only
+    python experiments/ablations.py --suite step0            # method x SDE on the default (step-0) recipe
     python experiments/ablations.py --only substeps,credit --seeds 0,1 --jobs 2 -- model.path=/my/base_model
 
 Each ablation is one experiment file (``conf/experiment/``) plus its axes; a suite is a list of ablations, the
@@ -161,7 +162,16 @@ def build_suites() -> dict[str, Suite]:
         "paper", make_ablations("paper"), [0, 1, 2], launcher="slurm", sweep_dir="outputs/ablations/paper",
         description="Paper-scale suite (`make ablations SCALE=paper`): SD3.5-Medium on 8 GPUs per run through the "
                     "SLURM launcher (conf/hydra/launcher/slurm.yaml), the paper's settings (paper_base.yaml).")
-    return {s.name: s for s in (full, quick, paper)}
+    step0 = Suite(
+        "step0",
+        [Ablation("method_sampler", "mini_step0", {"advantage": ["uniform", "gain"], "sampler": ["flow_sde", "ddim_sde"]},
+                  [], "method x SDE with only step 0 trained (the default recipe)",
+                  "Uniform credit vs gains, each with Flow-GRPO's SDE (a = 0.7) and the DDIM SDE (eta = 0.9, eta_s), on "
+                  "the default recipe: 60 iterations x 4 prompts x 16, only denoising step 0 trained.")],
+        [0, 1, 2], sweep_dir="outputs/ablations/step0",
+        description="Step-0 suite: method x SDE on the default recipe of `python -m stepflow.train` "
+                    "(conf/experiment/mini_step0.yaml), 3 seeds per arm, ~45 min at --jobs 2.")
+    return {s.name: s for s in (full, quick, paper, step0)}
 
 
 # ---------------------------------------------------------------------------------------------------- naming

@@ -108,6 +108,30 @@ def test_every_planned_arm_composes(suite, tmp_path):
     assert len(s.seeds) >= 3
 
 
+def test_step0_suite_plans_the_default_recipe(tmp_path):
+    """--suite step0: method x SDE x 3 seeds on mini_step0, which is the no-argument default recipe (step 0 trained)."""
+    s = ablations.build_suites()["step0"]
+    jobs = ablations.plan(s, tmp_path, check_config=True)
+    assert len(jobs) == 4 * 3 and {j.status for j in jobs} == {"missing"}
+    assert [ablations.arm_label(x) for x in s.ablations[0].arms()] == [
+        "advantage=uniform,sampler=flow_sde", "advantage=uniform,sampler=ddim_sde",
+        "advantage=gain,sampler=flow_sde", "advantage=gain,sampler=ddim_sde"]
+    default = ablations.planned_config("mini_step0", ["advantage=gain", "sampler=ddim_sde", "seed=0"])
+    assert default["train"]["train_steps"] == [0] and default["loop"]["prompts_per_iter"] == 4
+    assert default["sampler"]["schedule"] == "eta_s" and default["loop"]["iterations"] == 60
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+    from omegaconf import OmegaConf
+
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(ablations.CONF), version_base="1.3"):
+        plain = OmegaConf.to_container(compose("train"), resolve=True)  # python -m stepflow.train, no arguments
+    GlobalHydra.instance().clear()
+    default.pop("experiment_name")
+    default.pop("experiment", None), plain.pop("experiment", None)
+    assert default == plain
+
+
 def test_full_suite_axes():
     s = ablations.build_suites()["full"]
     arms = {a.name: [ablations.arm_label(x) for x in a.arms()] for a in s.ablations}
