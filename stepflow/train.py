@@ -194,6 +194,22 @@ def run(cfg: DictConfig, run_dir: Path) -> "GRPOModule":  # noqa: F821
     return module
 
 
+def summary_line(history: list[dict], run_dir: Path) -> str:
+    """One line for the end of a run: iterations, held-out metrics first -> last, NFEs and where the outputs are."""
+    evals = [h for h in history if any(k.startswith("eval/") for k in h)]
+    keys = sorted({k for h in evals for k in h if k.startswith("eval/") and not k.startswith("eval/geneval_")})
+    parts = []
+    for k in keys:
+        vals = [h[k] for h in evals if k in h]
+        if vals:
+            parts.append(f"{k} {vals[0]:.3f} -> {vals[-1]:.3f} ({vals[-1] - vals[0]:+.3f})")
+    its = max((int(h["iteration"]) for h in history), default=0)
+    nfe = max((h.get("cost/nfe_total", 0) for h in history), default=0)
+    secs = sum(h.get("time/iteration_s", 0.0) for h in history)
+    head = f"stepflow: {its} iterations, {secs:.0f} s training, {int(nfe):,} NFEs"
+    return "; ".join([head, *parts, f"outputs in {run_dir}"])
+
+
 @entry_point("train")
 def main(cfg: DictConfig) -> None:
     from hydra.core.hydra_config import HydraConfig
@@ -202,7 +218,9 @@ def main(cfg: DictConfig) -> None:
     ckpt = cfg.get("ckpt_path")
     if ckpt and Path(str(ckpt)).expanduser().parent.name == "checkpoints":
         run_dir = Path(str(ckpt)).expanduser().parent.parent  # continue writing into the resumed run's dir
-    run(cfg, run_dir)
+    module = run(cfg, run_dir)
+    if module.global_rank == 0:
+        print(summary_line(module.history, run_dir), flush=True)
 
 
 if __name__ == "__main__":

@@ -95,6 +95,13 @@ def test_outputs_of_a_run(tmp_path):
     sd = load_file(str(tmp_path / "lora" / "pytorch_lora_weights.safetensors"))
     assert sd and all(k.startswith("transformer.") for k in sd)
     assert any("add_q_proj" in k for k in sd) and any("to_out.0" in k for k in sd)
+    # the end-of-run line names the held-out metric first -> last, as in metrics.csv
+    from stepflow.train import summary_line
+
+    line = summary_line(module.history, tmp_path)
+    a, b = float(evals[0]["eval/geneval"]), float(evals[-1]["eval/geneval"])
+    assert line.startswith("stepflow: 2 iterations,") and f"eval/geneval {a:.3f} -> {b:.3f} ({b - a:+.3f})" in line
+    assert "eval/geneval_" not in line and str(tmp_path) in line
 
 
 def test_kill_and_resume_matches_uninterrupted(tmp_path):
