@@ -18,6 +18,7 @@ GenEval by +0.17 in 60 iterations; training every step by +0.004.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import time
 from pathlib import Path
@@ -31,7 +32,7 @@ def measure(overrides: list[str], batches: int, schemes: list[str]) -> dict:
 
     from stepflow.cli import CONF_DIR
     from stepflow.coherence import signal_fraction, step_gradients
-    from stepflow.credit import CreditAssigner, CreditConfig
+    from stepflow.credit import CreditAssigner
     from stepflow.rollout import estimate_states, rollout, score_states
     from stepflow.train import build_module
 
@@ -41,8 +42,7 @@ def measure(overrides: list[str], batches: int, schemes: list[str]) -> dict:
     module = build_module(cfg, Path("/tmp/stepflow_coherence"))
     module.csv = None
     pol, lp = module.policy, module.loop
-    base = CreditConfig(**{k: v for k, v in dict(cfg.advantage).items()})
-    assigners = {s: CreditAssigner(CreditConfig(**{**base.__dict__, "scheme": s})) for s in schemes}
+    assigners = {s: CreditAssigner(dataclasses.replace(module.credit_cfg, scheme=s)) for s in schemes}
     grads: dict[str, list] = {s: [] for s in schemes}
     steps: list[int] = []
     t0 = time.perf_counter()

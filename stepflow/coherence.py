@@ -18,18 +18,27 @@ from torch import Tensor
 __all__ = ["mean_pairwise_cosine", "signal_fraction", "step_gradients"]
 
 
+def _offdiag_mean(g: Tensor, normalize: bool) -> tuple[float, Tensor]:
+    """Mean over pairs i ≠ j of ``g_i·g_j`` (rows unit-normalised first when ``normalize``) and the Gram matrix.
+
+    g: (N>=2, D), promoted to float64. Returns (mean, (N, N) Gram matrix).
+    """
+    if g.ndim != 2 or g.shape[0] < 2:
+        raise ValueError(f"g: expected (N>=2, D), got {tuple(g.shape)}")
+    g = g.double()
+    if normalize:
+        g = g / g.norm(dim=1, keepdim=True).clamp(min=1e-300)
+    gram = g @ g.T
+    n = g.shape[0]
+    return float((gram.sum() - gram.diagonal().sum()) / (n * (n - 1))), gram
+
+
 def mean_pairwise_cosine(g: Tensor) -> float:
     """Mean cosine similarity over all pairs ``i < j`` of the rows of ``g`` (N, D), N >= 2.
 
     Rows with zero norm count as cosine 0. An estimate of the signal fraction ρ (module docstring).
     """
-    if g.ndim != 2 or g.shape[0] < 2:
-        raise ValueError(f"g: expected (N>=2, D), got {tuple(g.shape)}")
-    g = g.double()
-    u = g / g.norm(dim=1, keepdim=True).clamp(min=1e-300)
-    c = u @ u.T
-    n = g.shape[0]
-    return float((c.sum() - c.diagonal().sum()) / (n * (n - 1)))
+    return _offdiag_mean(g, normalize=True)[0]
 
 
 def signal_fraction(g: Tensor) -> float:
@@ -38,12 +47,7 @@ def signal_fraction(g: Tensor) -> float:
     Unlike :func:`mean_pairwise_cosine` it weights batches by their norms (``|μ|² / E|g|²`` exactly in expectation
     of numerator and denominator).
     """
-    if g.ndim != 2 or g.shape[0] < 2:
-        raise ValueError(f"g: expected (N>=2, D), got {tuple(g.shape)}")
-    g = g.double()
-    gram = g @ g.T
-    n = g.shape[0]
-    cross = (gram.sum() - gram.diagonal().sum()) / (n * (n - 1))
+    cross, gram = _offdiag_mean(g, normalize=False)
     return float(cross / gram.diagonal().mean().clamp(min=1e-300))
 
 

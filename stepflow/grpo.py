@@ -151,6 +151,11 @@ class LoraEMA:
         self.num_updates = int(sd["num_updates"])
 
 
+def rollout_sampler(sampler: SamplerConfig, credit: CreditConfig) -> SamplerConfig:
+    """The sampler the rollouts use: the configured one, or the ODE for ``advantage=distill`` (math.md §6.3)."""
+    return SamplerConfig(name="ode") if credit.scheme == "distill" else sampler
+
+
 class GRPOModule(L.LightningModule):
     """Stepwise-Flow-GRPO / Flow-GRPO training as a LightningModule (manual optimization).
 
@@ -172,11 +177,10 @@ class GRPOModule(L.LightningModule):
         self.automatic_optimization = False
         self.strict_loading = False  # checkpoints hold only the LoRA weights
         self.policy, self.reward = policy, reward
-        self.sampler_cfg, self.credit_cfg = sampler, credit
+        self.sampler_cfg, self.credit_cfg = rollout_sampler(sampler, credit), credit
         self.loop, self.optim_cfg, self.eval_cfg, self.ema_cfg = loop, optim, eval_cfg, ema
         self.distill = credit.scheme == "distill"
-        if self.distill:  # math.md §6.3: ODE rollouts, diversity from the initial noise
-            self.sampler_cfg = SamplerConfig(name="ode")
+        if self.distill:  # math.md §6.3: diversity from the initial noise
             sampler_plan.same_latent = False
         self.plan = sampler_plan
         self.eval_records = eval_records

@@ -119,7 +119,7 @@ def build_module(cfg: DictConfig, run_dir: Path):
     """Everything but the Trainer: policy (+LoRA), reward, credit, sampler, group sampler, eval prompts."""
     from stepflow.credit import CreditConfig
     from stepflow.data import GroupSampler, load_prompt_file
-    from stepflow.grpo import EmaConfig, EvalConfig, GRPOModule, LoopConfig, OptimConfig
+    from stepflow.grpo import EmaConfig, EvalConfig, GRPOModule, LoopConfig, OptimConfig, rollout_sampler
     from stepflow.sde import SamplerConfig
 
     loop = _make(LoopConfig, cfg.loop, "loop")
@@ -132,7 +132,7 @@ def build_module(cfg: DictConfig, run_dir: Path):
         raise StepflowError(f"loop.num_steps: must be >= 2, got {loop.num_steps}")
     if loop.substeps < 1:
         raise StepflowError(f"loop.substeps: must be >= 1, got {loop.substeps}")
-    check_train_steps(optim, SamplerConfig(name="ode") if credit.scheme == "distill" else sampler, loop.num_steps)
+    check_train_steps(optim, rollout_sampler(sampler, credit), loop.num_steps)
     train_records = load_prompt_file(cfg.data.train_file, "data.train_file")
     eval_records = load_prompt_file(cfg.data.eval_file, "data.eval_file")
     plan = GroupSampler(train_records, loop.prompts_per_iter, loop.group_size, seed=loop.seed,

@@ -3,12 +3,11 @@ planned command lines (nothing is trained here, except in the `slow` end-to-end 
 
 from __future__ import annotations
 
-import os
-
 import csv
 import itertools
 import json
 import math
+import os
 import re
 import shutil
 import sys

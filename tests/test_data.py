@@ -63,4 +63,3 @@ def test_shards_partition_the_global_plan():
     parts = [plan.shard(r, 2) for r in range(2)]
     assert parts[0].prompts + parts[1].prompts == plan.prompts
     assert parts[0].sample_seeds.tolist() + parts[1].sample_seeds.tolist() == plan.sample_seeds.tolist()
-
