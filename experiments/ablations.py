@@ -42,15 +42,17 @@ import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import report  # noqa: E402  (experiments/report.py)
 
+from stepflow.cli import CONF_DIR  # noqa: E402
+
 ROOT = Path(__file__).resolve().parent.parent
-CONF = ROOT / "conf"
 
 
 # ---------------------------------------------------------------------------------------------------- definitions
@@ -225,7 +227,7 @@ def hydra_conf():
 
     GlobalHydra.instance().clear()
     try:
-        with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
             yield
     finally:
         GlobalHydra.instance().clear()

@@ -41,9 +41,10 @@ import os
 import re
 import sys
 import time
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any
 
 import matplotlib
 
@@ -244,7 +245,7 @@ def run_dirs(root: str | Path) -> list[Path]:
         rel = d.relative_to(root).parts
         real = d.resolve()
 
-        def keep(n: str) -> bool:
+        def keep(n: str, d=d, rel=rel, real=real) -> bool:
             if n.startswith(".") or (not rel and n == REPORT_DIR):
                 return False
             target = (d / n).resolve()

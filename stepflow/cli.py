@@ -5,17 +5,20 @@ from __future__ import annotations
 import functools
 import os
 import sys
+from collections.abc import Callable
+from importlib import resources
 from pathlib import Path
-from typing import Callable
+from typing import NoReturn
 
-CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
+#: the Hydra config directory, shipped inside the package (found the same way from a wheel or an editable install)
+CONF_DIR = Path(str(resources.files("stepflow").joinpath("conf")))
 
 
 class StepflowError(ValueError):
     """A user-facing configuration or input error, printed as one line."""
 
 
-def fail(msg: str) -> "NoReturn":  # type: ignore[name-defined]
+def fail(msg: str) -> NoReturn:
     """Exit with a one-line error (exit code 2)."""
     first = str(msg).strip().splitlines()[0] if str(msg).strip() else "error"
     print(f"stepflow: error: {first}", file=sys.stderr)

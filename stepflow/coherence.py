@@ -10,7 +10,7 @@ the embedded world's ``train_steps`` were chosen (only step 0 is coherent there;
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor

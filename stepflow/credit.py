@@ -1,6 +1,6 @@
-"""Stepwise gains and advantages (math.md §5, §6; paper Eq. 3–5, App. A, App. C).
+"""Stepwise gains and advantages (method.md §5, §6; paper Eq. 3–5, App. A, App. C).
 
-Array convention (math.md §1, §4): rewards ``R`` are (B, T+1) with ``R[:, k] = R(x̂0(X_k, τ_k))`` for k < T and
+Array convention (method.md §1, §4): rewards ``R`` are (B, T+1) with ``R[:, k] = R(x̂0(X_k, τ_k))`` for k < T and
 ``R[:, T]`` the reward of the final image; step k maps ``X_k -> X_{k+1}``; the gain of step k is
 ``G_k = R_{k+1} − R_k`` (paper ``g_t = r_{t−1} − r_t``), so ``Σ_k G_k = R_T − R_0``.
 
@@ -35,7 +35,7 @@ NORMS = (None, "joint", "per_step")
 
 
 def gains(rewards: Tensor) -> Tensor:
-    """Stepwise gains ``G_k = R_{k+1} − R_k`` (math.md §5). rewards: (B, T+1) -> (B, T)."""
+    """Stepwise gains ``G_k = R_{k+1} − R_k`` (method.md §5). rewards: (B, T+1) -> (B, T)."""
     if rewards.ndim != 2 or rewards.shape[1] < 2:
         raise ValueError(f"rewards: expected shape (B, T+1) with T >= 1, got {tuple(rewards.shape)}")
     return rewards[:, 1:] - rewards[:, :-1]
@@ -89,7 +89,7 @@ def _normalize_segments(values: Tensor, seg: Tensor, k: int, std_scope: str, eps
 
 
 def group_normalize(values: Tensor, group_ids: Tensor, *, std_scope: str = "group", eps: float = 1e-4) -> Tensor:
-    """Joint per-group normalisation (paper Eq. 5, math.md §5).
+    """Joint per-group normalisation (paper Eq. 5, method.md §5).
 
     values: (B,) or (B, T); group_ids: (B,).  For a group c, mean μ_c and population std s_c are taken over **all**
     its entries (N rows × T columns); ``out = (v − μ_c) / (s_c + eps)``.  ``std_scope="global"`` replaces s_c by
@@ -110,7 +110,7 @@ def group_normalize(values: Tensor, group_ids: Tensor, *, std_scope: str = "grou
 
 
 def normalize_per_step(g: Tensor, group_ids: Tensor, *, std_scope: str = "group", eps: float = 1e-4) -> Tensor:
-    """Per-step normalisation (App. C ablation, math.md §5): each column k separately within each group.
+    """Per-step normalisation (App. C ablation, method.md §5): each column k separately within each group.
 
     g: (B, T); ``out[i, k] = (g[i,k] − mean_{j∈c} g[j,k]) / (std_{j∈c} g[j,k] + eps)``; ``std_scope="global"``
     uses the std of column k over all B rows (what Flow-GRPO's tracker does with ``global_std`` and (B, T) input).
@@ -141,7 +141,7 @@ def uniform_advantages(final: Tensor, group_ids: Tensor, num_steps: int, *, std_
 
 
 def gae(g: Tensor, gamma: float, lam: float) -> Tensor:
-    """GAE over gains (math.md §6.2): ``A_{T−1} = G_{T−1}``, ``A_k = G_k + γλ·A_{k+1}`` (backward in k).
+    """GAE over gains (method.md §6.2): ``A_{T−1} = G_{T−1}``, ``A_k = G_k + γλ·A_{k+1}`` (backward in k).
 
     γ convention: the gains themselves are the TD residuals δ_k (they equal the classic ``γ R_{k+1} − R_k`` only
     at γ = 1), so γ enters only through the product γλ.  γλ = 0 gives the gains, γλ = 1 gives ``R_T − R_k``.
@@ -159,7 +159,7 @@ def gae(g: Tensor, gamma: float, lam: float) -> Tensor:
 
 
 class EmaBaseline:
-    """Per-step EMA baseline of the gains (math.md §6.1).
+    """Per-step EMA baseline of the gains (method.md §6.1).
 
     ``b_k ← α·b_k + (1−α)·mean_i g_k^i``; the **first** update initialises ``b = mean_i g^i`` (no zero-start bias).
     ``__call__(g)`` returns ``g − b`` using the baseline **before** it sees ``g`` (so b only carries earlier

@@ -1,4 +1,4 @@
-"""x̂0(t) by T′ Euler substeps of the flow ODE (math.md §4, paper Sec. 5.1 and App. D).
+"""x̂0(t) by T′ Euler substeps of the flow ODE (method.md §4, paper Sec. 5.1 and App. D).
 
 From a state ``x_t`` integrate ``dy/dτ = v(y, τ)`` from ``τ = t`` down to 0 with forward Euler on the uniform,
 **unshifted** sub-grid ``τ'_j = t·(n − j)/n``, ``j = 0..n``:
@@ -6,7 +6,7 @@ From a state ``x_t`` integrate ``dy/dτ = v(y, τ)`` from ``τ = t`` down to 0 w
     y_0 = x_t,   y_{j+1} = y_j − (t/n)·v(y_j, τ'_j),   x̂0(t) = y_n.
 
 ``n = T′`` for every row (default), or ``n_i = max(1, ceil(T′·t_i))`` per row (``adaptive=True``, so rows near
-t = 0 take fewer substeps of about the same size 1/T′).  ``n = 1`` is Tweedie ``x_t − t·v`` (math.md §1, Eq. 2).
+t = 0 take fewer substeps of about the same size 1/T′).  ``n = 1`` is Tweedie ``x_t − t·v`` (method.md §1, Eq. 2).
 
 Note what the estimate converges to: with the exact velocity, ``n = 1`` gives the posterior mean E[x0 | x_t],
 while ``n → ∞`` gives the endpoint of the probability-flow ODE started at x_t (a *sample*-like point, not the
@@ -25,7 +25,7 @@ can gather its conditioning); this is what makes ``adaptive=True`` cheaper.
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from torch import Tensor
@@ -36,7 +36,7 @@ __all__ = ["estimate_x0", "estimate_x0_with_nfe", "substep_counts"]
 def substep_counts(t: Tensor, substeps: int, adaptive: bool = False) -> Tensor:
     """Per-row number of Euler substeps: (M,) long.
 
-    0 where ``t == 0``; else ``substeps`` or, if ``adaptive``, ``max(1, ceil(substeps·t))`` (math.md §4), with a
+    0 where ``t == 0``; else ``substeps`` or, if ``adaptive``, ``max(1, ceil(substeps·t))`` (method.md §4), with a
     1e-6 slack inside the ceil so that fp32 round-off (e.g. ``5 · float32(0.6) = 3.0000001``) does not add a substep.
     """
     if int(substeps) != substeps or substeps < 1:
@@ -104,7 +104,7 @@ def estimate_x0_with_nfe(velocity_fn: Callable[..., Tensor], x: Tensor, t, subst
 
 def estimate_x0(velocity_fn: Callable[..., Tensor], x: Tensor, t, substeps: int, *, v0: Tensor | None = None,
                 adaptive: bool = False, compact: bool = False) -> Tensor:
-    """x̂0 (M, ...) by ``substeps`` Euler substeps from per-row times ``t`` (M,) to 0 (math.md §4).
+    """x̂0 (M, ...) by ``substeps`` Euler substeps from per-row times ``t`` (M,) to 0 (method.md §4).
 
     Same arguments as :func:`estimate_x0_with_nfe`, which also returns the evaluation count.
     """
@@ -112,7 +112,7 @@ def estimate_x0(velocity_fn: Callable[..., Tensor], x: Tensor, t, substeps: int,
 
 
 def tweedie_x0(x: Tensor, v: Tensor, t) -> Tensor:
-    """Tweedie ``x̂0 = x − t·v`` (math.md §1, Eq. 2). x, v: (M, ...); t: float or (M,)."""
+    """Tweedie ``x̂0 = x − t·v`` (method.md §1, Eq. 2). x, v: (M, ...); t: float or (M,)."""
     t = torch.as_tensor(t, dtype=torch.float32, device=x.device)
     if t.ndim == 1:
         t = t.view(-1, *([1] * (x.ndim - 1)))

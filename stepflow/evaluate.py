@@ -34,7 +34,6 @@ def load_policy(cfg: DictConfig):
     import hydra.utils
 
     from stepflow.evaluation import load_lora
-
     from stepflow.train import model_kwargs
 
     mcfg, _ = model_kwargs(cfg.model)

@@ -1,4 +1,4 @@
-"""GRPOModule: one LightningModule epoch is one GRPO iteration of the paper's algorithm (math.md §10).
+"""GRPOModule: one LightningModule epoch is one GRPO iteration of the paper's algorithm (method.md §10).
 
     plan prompts ─► rollout (SDE, π_old, no grad) ─► x̂0 estimates (T′ substeps, batched over steps)
                  ─► rewards R_0..R_T (one reward call) ─► advantages (credit scheme, gathered across ranks)
@@ -11,9 +11,10 @@ ODE and regresses the student's Tweedie estimate onto a two-step-later target, w
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import lightning as L
 import torch
@@ -38,7 +39,7 @@ def _check_fields(cls, values: dict, prefix: str) -> dict:
 
 @dataclass
 class OptimConfig:
-    """Policy-update settings (Flow-GRPO's defaults, math.md §7.1)."""
+    """Policy-update settings (Flow-GRPO's defaults, method.md §7.1)."""
 
     lr: float = 3e-4  #: AdamW learning rate
     betas: tuple[float, float] = (0.9, 0.999)
@@ -84,7 +85,7 @@ class LoopConfig:
     group_size: int = 8  #: k samples per prompt
     num_steps: int = 10  #: denoising steps T
     guidance: float = 1.0  #: CFG scale during rollout and update (1 = no CFG)
-    same_latent: bool = True  #: share x_T within a group (math.md §4)
+    same_latent: bool = True  #: share x_T within a group (method.md §4)
     substeps: int = 5  #: T′, Euler substeps of the x̂0 estimate (1 = Tweedie)
     adaptive_substeps: bool = False  #: ceil(T′·t) substeps per state
     estimate_chunk: int | None = None  #: max states per estimate call (memory)
@@ -152,7 +153,7 @@ class LoraEMA:
 
 
 def rollout_sampler(sampler: SamplerConfig, credit: CreditConfig) -> SamplerConfig:
-    """The sampler the rollouts use: the configured one, or the ODE for ``advantage=distill`` (math.md §6.3)."""
+    """The sampler the rollouts use: the configured one, or the ODE for ``advantage=distill`` (method.md §6.3)."""
     return SamplerConfig(name="ode") if credit.scheme == "distill" else sampler
 
 
@@ -180,7 +181,7 @@ class GRPOModule(L.LightningModule):
         self.sampler_cfg, self.credit_cfg = rollout_sampler(sampler, credit), credit
         self.loop, self.optim_cfg, self.eval_cfg, self.ema_cfg = loop, optim, eval_cfg, ema
         self.distill = credit.scheme == "distill"
-        if self.distill:  # math.md §6.3: diversity from the initial noise
+        if self.distill:  # method.md §6.3: diversity from the initial noise
             sampler_plan.same_latent = False
         self.plan = sampler_plan
         self.eval_records = eval_records
@@ -476,7 +477,7 @@ class GRPOModule(L.LightningModule):
         v = pol.velocity(x_k, t, cond, lp.guidance)
         a = adv[mb, k].to(dev)
         if self.distill:
-            # math.md §6.3: student Tweedie at (x_t, t) vs sg[x̂0 two steps later] (X_T beyond the end)
+            # method.md §6.3: student Tweedie at (x_t, t) vs sg[x̂0 two steps later] (X_T beyond the end)
             student = x_k - t * v
             target = traj.x0_hat[mb, min(k + 2, traj.num_steps)].to(dev)
             loss = distill_loss(student, target, a, weight=o.distill_weight, temperature=o.distill_temperature)

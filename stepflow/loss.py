@@ -1,4 +1,4 @@
-"""GRPO clipped surrogate, Gaussian-policy KL and the distillation loss (math.md §2, §3.5, §5, §6.3; paper Eq. 3).
+"""GRPO clipped surrogate, Gaussian-policy KL and the distillation loss (method.md §2, §3.5, §5, §6.3; paper Eq. 3).
 
 All per-step losses act on one denoising step of a batch: ``log_prob, old_log_prob, adv`` are (B,) and the result
 is a mean over the (optionally masked) rows, as in Flow-GRPO's ``mean_i max(−Ã ρ, −Ã clip(ρ, 1±ε))`` + β·KL.
@@ -28,7 +28,7 @@ def _masked_mean(z: Tensor, mask: Tensor | None) -> Tensor:
 
 def grpo_surrogate(log_prob: Tensor, old_log_prob: Tensor, adv: Tensor, clip_eps: float, *,
                    mask: Tensor | None = None) -> tuple[Tensor, dict[str, Tensor]]:
-    """PPO/GRPO clipped surrogate (paper Eq. 3, math.md §5), to be minimised.
+    """PPO/GRPO clipped surrogate (paper Eq. 3, method.md §5), to be minimised.
 
     ``ρ = exp(lp − lp_old)``; ``loss = mean_i max(−A ρ, −A clip(ρ, 1−ε, 1+ε))``.
     log_prob (with grad), old_log_prob, adv: (B,); mask: optional (B,) bool of rows to average over.
@@ -60,7 +60,7 @@ def grpo_surrogate(log_prob: Tensor, old_log_prob: Tensor, adv: Tensor, clip_eps
 
 
 def gaussian_kl(mean: Tensor, ref_mean: Tensor, std: Tensor) -> Tensor:
-    """Per-dim-mean KL( N(mean, std²I) ‖ N(ref_mean, std²I) ) = mean_dims((μ − μ_ref)²) / (2 std²) (math.md §2, §3.5).
+    """Per-dim-mean KL( N(mean, std²I) ‖ N(ref_mean, std²I) ) = mean_dims((μ − μ_ref)²) / (2 std²) (method.md §2, §3.5).
 
     mean, ref_mean: (B, ...); std: (B,).  Returns (B,).  ``ref_mean`` is detached.  Rows with ``std == 0``
     (deterministic, untrainable steps) get 0 with zero gradient.  Passing Flow-GRPO's ``kl_scale`` (σ_d) as ``std``
@@ -91,7 +91,7 @@ class LossOut:
 def policy_loss(log_prob: Tensor, old_log_prob: Tensor, adv: Tensor, *, clip_eps: float, mean: Tensor | None = None,
                 ref_mean: Tensor | None = None, std: Tensor | None = None, kl_scale: Tensor | None = None,
                 beta: float = 0.0, kl_mode: str = "exact", mask: Tensor | None = None) -> LossOut:
-    """One step's GRPO loss (paper Eq. 3): ``surrogate + β·mean_i KL_i`` (math.md §5).
+    """One step's GRPO loss (paper Eq. 3): ``surrogate + β·mean_i KL_i`` (method.md §5).
 
     log_prob, old_log_prob, adv: (B,); mean, ref_mean: (B, ...) policy / reference Gaussian means; std, kl_scale:
     (B,) from :class:`stepflow.sde.StepOut`.  ``kl_mode="exact"`` divides by 2·std², ``"flow_grpo_parity"`` by
@@ -119,7 +119,7 @@ def policy_loss(log_prob: Tensor, old_log_prob: Tensor, adv: Tensor, *, clip_eps
 
 def distill_loss(x0_student: Tensor, x0_target: Tensor, adv: Tensor, weight: str = "relu",
                  temperature: float = 1.0) -> Tensor:
-    """Gain-weighted ODE progressive-distillation loss (math.md §6.3).
+    """Gain-weighted ODE progressive-distillation loss (method.md §6.3).
 
     ``L = mean_i w(A_i) · mean_dims (x̂0_student − sg[x̂0_target])²`` with ``w = relu(A)`` | ``A`` (signed) |
     ``exp(A/temperature)``.  Per-dim mean (not the sum ‖·‖²) so the scale does not depend on the latent size.

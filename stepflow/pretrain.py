@@ -29,8 +29,9 @@ import math
 import os
 import shutil
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import lightning.pytorch as pl
 import numpy as np

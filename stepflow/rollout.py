@@ -1,4 +1,4 @@
-"""Rollout, x̂0 estimates and stepwise rewards: the no-grad half of one GRPO iteration (math.md §10).
+"""Rollout, x̂0 estimates and stepwise rewards: the no-grad half of one GRPO iteration (method.md §10).
 
 ``rollout`` samples trajectories with the configured SDE under π_old; ``stepwise_rewards`` estimates the clean image
 at every state (T′ Euler substeps, all B·T states in one batch per substep) and scores B·(T+1) images in one reward
@@ -7,8 +7,9 @@ call. The :class:`Trajectory` is the only object that crosses from rollout to up
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -96,7 +97,7 @@ def rollout(policy: FlowPolicy, cond: Cond, prompts: Sequence[str], meta: Sequen
 @torch.no_grad()
 def estimate_states(policy: FlowPolicy, traj: Trajectory, substeps: int, guidance: float, adaptive: bool = False,
                     chunk_size: int | None = None) -> tuple[Tensor, int]:
-    """x̂0 for every state X_0..X_{T-1} of every trajectory (math.md §4), batched over steps.
+    """x̂0 for every state X_0..X_{T-1} of every trajectory (method.md §4), batched over steps.
 
     Returns (x0_hat (B, T+1, C, H, W) with x0_hat[:, T] = X_T, NFEs). ``chunk_size`` bounds the number of states
     per model call (memory); the substep grid is per state, so chunking does not change the result.

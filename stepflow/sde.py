@@ -1,12 +1,12 @@
-"""Time grid and one-step stochastic samplers with Gaussian log-probs (math.md §1–§3).
+"""Time grid and one-step stochastic samplers with Gaussian log-probs (method.md §1–§3).
 
-Conventions (math.md §1):
+Conventions (method.md §1):
 
 - rectified flow ``x_t = (1 - t) x0 + t x1``, ``x1 ~ N(0, I)``; ``t = 1`` is noise, ``t = 0`` is data;
 - the model predicts ``v = x1 - x0``; ``x̂0 = x - t v`` (Tweedie), ``x̂1 = x + (1 - t) v``;
 - a step goes from ``t`` to ``t_next = s = t - Δt`` (``Δt > 0``) on the grid of :func:`time_grid`;
 - all math is fp32; inputs are promoted with ``.float()`` (differentiable);
-- log-probs are **means over all non-batch dims** (Flow-GRPO convention, math.md §2), so a clip range of 1e-4 keeps
+- log-probs are **means over all non-batch dims** (Flow-GRPO convention, method.md §2), so a clip range of 1e-4 keeps
   its meaning; the sampled state is treated as a constant action (``next.detach()``) inside the log-prob.
 
 Times ``t, t_next`` may be python floats, 0-d tensors or per-sample ``(B,)`` tensors, so steps at different grid
@@ -47,7 +47,7 @@ _HALF_LOG_2PI = 0.5 * math.log(2.0 * math.pi)
 # §1 time grid
 # ----------------------------------------------------------------------------------------------------------------
 def time_grid(num_steps: int, shift: float = 3.0, num_train_timesteps: int = 1000) -> Tensor:
-    """SD3's shifted sigma grid with a trailing 0 (math.md §1).
+    """SD3's shifted sigma grid with a trailing 0 (method.md §1).
 
     ``shift(u) = shift·u / (1 + (shift − 1)·u)``; ``σ_min = shift(1/num_train_timesteps)``;
     ``base = linspace(1, σ_min, num_steps)``; ``τ = shift(base)``; then ``0`` is appended.
@@ -83,7 +83,7 @@ class StepOut:
     std:      (B,) per-sample std of the step; 0 = deterministic.
     log_prob: (B,) log π(next | x) (mean over non-batch dims); 0 where ``std == 0``.
     trainable:(B,) bool, ``std > 0``.
-    kl_scale: (B,) the std Flow-GRPO's KL divides by: ``σ_d`` (no √Δt) for flow_sde, ``std`` otherwise (math.md §2).
+    kl_scale: (B,) the std Flow-GRPO's KL divides by: ``σ_d`` (no √Δt) for flow_sde, ``std`` otherwise (method.md §2).
     """
 
     next: Tensor
@@ -96,7 +96,7 @@ class StepOut:
 
 @dataclass
 class SamplerConfig:
-    """Sampler choice and its parameters (math.md §2, §3).
+    """Sampler choice and its parameters (method.md §2, §3).
 
     name:     ``flow_sde`` (Flow-GRPO, §2) | ``ddim_sde`` (§3.1) | ``cps`` (FlowCPS, §3.3) | ``ode`` (Euler).
     a:        Flow-GRPO noise level, ``σ_d = a·sqrt(t/(1−t))``.
@@ -164,7 +164,7 @@ def _mean_dims(z: Tensor) -> Tensor:
 
 
 def gaussian_log_prob(x: Tensor, mean: Tensor, std: Tensor, kind: str = "gaussian") -> Tensor:
-    """Per-sample log-prob of ``x`` under N(mean, std² I), averaged over non-batch dims (math.md §2, §3.5).
+    """Per-sample log-prob of ``x`` under N(mean, std² I), averaged over non-batch dims (method.md §2, §3.5).
 
     x, mean: (B, ...); std: (B,).  ``kind="gaussian"``: ``mean_dims[−(x−μ)²/(2 std²) − log std − ½ log 2π]``;
     ``kind="cps_constfree"``: ``−mean_dims (x−μ)²`` (FlowCPS).  Rows with ``std == 0`` get 0 (no density; they are
@@ -213,12 +213,12 @@ def _prep(x: Tensor, v: Tensor, t, t_next):
 # per-step std (no state needed)
 # ----------------------------------------------------------------------------------------------------------------
 def _flow_sigma_d(t: Tensor, a: float, t_guard) -> Tensor:
-    """Flow-GRPO ``σ_d = a·sqrt(t / (1 − t̃))``, ``t̃ = t_guard`` where ``t == 1`` (math.md §2)."""
+    """Flow-GRPO ``σ_d = a·sqrt(t / (1 − t̃))``, ``t̃ = t_guard`` where ``t == 1`` (method.md §2)."""
     return a * torch.sqrt(t / (1.0 - _guarded(t, t_guard, "flow_sde")))
 
 
 def _ddim_sigma(t: Tensor, s: Tensor, eta: float, schedule: str, first_step_guard: bool, t_guard) -> Tensor:
-    """DDIM per-step std σ (math.md §3.3)."""
+    """DDIM per-step std σ (method.md §3.3)."""
     if schedule == "eta_s":
         return eta * s
     tt = _guarded(t, t_guard, "ddim_sde first_step_guard") if first_step_guard else t
@@ -231,7 +231,7 @@ def _ddim_sigma(t: Tensor, s: Tensor, eta: float, schedule: str, first_step_guar
 
 
 def step_std(cfg: SamplerConfig, t, t_next, t_guard=None) -> Tensor:
-    """Per-step std of ``cfg``'s sampler from ``t`` to ``t_next`` (math.md §2, §3.3 table).
+    """Per-step std of ``cfg``'s sampler from ``t`` to ``t_next`` (method.md §2, §3.3 table).
 
     t, t_next: floats, 0-d or (B,) tensors.  Returns an fp32 tensor of their broadcast shape.
     flow_sde: ``σ_d·sqrt(Δt)``; ddim_sde: σ of ``cfg.schedule``; cps: ``s·sin(η π/2)``; ode: 0.
@@ -254,7 +254,7 @@ def step_std(cfg: SamplerConfig, t, t_next, t_guard=None) -> Tensor:
 def flow_sde_step(x: Tensor, v: Tensor, t, t_next, *, a: float = 0.7, t_guard=None, noise: Tensor | None = None,
                   prev_sample: Tensor | None = None, generator: torch.Generator | None = None,
                   logprob: str = "gaussian") -> StepOut:
-    """Flow-GRPO Euler–Maruyama step of the marginal-preserving reverse SDE (math.md §2, paper Eq. 1).
+    """Flow-GRPO Euler–Maruyama step of the marginal-preserving reverse SDE (method.md §2, paper Eq. 1).
 
     ``σ_d = a·sqrt(t/(1−t̃))`` (``t̃ = t_guard`` where ``t == 1``), ``std = σ_d·sqrt(Δt)``,
     ``μ = x − Δt·[v + σ_d²/(2t)·(x + (1−t) v)]``; we use the identity ``σ_d²/(2t) = a²/(2(1−t̃))`` (no 0/0).
@@ -272,7 +272,7 @@ def flow_sde_step(x: Tensor, v: Tensor, t, t_next, *, a: float = 0.7, t_guard=No
 
 
 def _xhat_step(x: Tensor, v: Tensor, t: Tensor, s: Tensor, sigma: Tensor) -> Tensor:
-    """``(1−s)·x̂0 + sqrt(max(s² − σ², 0))·x̂1`` with ``x̂0 = x − t v``, ``x̂1 = x + (1−t) v`` (math.md §3.1)."""
+    """``(1−s)·x̂0 + sqrt(max(s² − σ², 0))·x̂1`` with ``x̂0 = x − t v``, ``x̂1 = x + (1−t) v`` (method.md §3.1)."""
     x0 = x - _bcast(t, x) * v
     x1 = x + _bcast(1.0 - t, x) * v
     c = torch.sqrt(torch.clamp(s * s - sigma * sigma, min=0.0))
@@ -283,7 +283,7 @@ def ddim_sde_step(x: Tensor, v: Tensor, t, t_next, *, eta: float = 0.9, schedule
                   first_step_guard: bool = False, t_guard=None, noise: Tensor | None = None,
                   prev_sample: Tensor | None = None, generator: torch.Generator | None = None,
                   logprob: str = "gaussian") -> StepOut:
-    """DDIM-style SDE step (math.md §3.1, §3.3; paper Sec. 5.5 / App. B).
+    """DDIM-style SDE step (method.md §3.1, §3.3; paper Sec. 5.5 / App. B).
 
     ``x_s = (1−s)·x̂0 + sqrt((s² − σ²)₊)·x̂1 + σ·ε`` with σ from ``schedule`` (see :class:`SamplerConfig`).
     x, v: (B, ...); t, t_next: float / 0-d / (B,).  ``kl_scale = std = σ``.
@@ -297,7 +297,7 @@ def ddim_sde_step(x: Tensor, v: Tensor, t, t_next, *, eta: float = 0.9, schedule
 def cps_step(x: Tensor, v: Tensor, t, t_next, *, eta: float = 0.9, noise: Tensor | None = None,
              prev_sample: Tensor | None = None, generator: torch.Generator | None = None,
              logprob: str = "gaussian") -> StepOut:
-    """FlowCPS step (math.md §3.3 [CODE]): ``std = s·sin(η π/2)``, ``μ = x̂0(1−s) + x̂1·sqrt(s² − std²)``.
+    """FlowCPS step (method.md §3.3 [CODE]): ``std = s·sin(η π/2)``, ``μ = x̂0(1−s) + x̂1·sqrt(s² − std²)``.
 
     FlowCPS itself uses ``logprob="cps_constfree"``.  x, v: (B, ...); t, t_next: float / 0-d / (B,).
     """

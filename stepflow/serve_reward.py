@@ -32,7 +32,7 @@ def _parse_request(body: bytes) -> tuple[Any, list[str], list[dict] | None]:
     try:
         req = json.loads(body)
     except ValueError:
-        raise _BadRequest("body is not JSON; expected {\"images\": [base64 PNG], \"prompts\": [str], \"meta\": [...]}")
+        raise _BadRequest("body is not JSON; expected {\"images\": [base64 PNG], \"prompts\": [str], \"meta\": [...]}") from None
     if not isinstance(req, dict) or not isinstance(req.get("images"), list) or not isinstance(req.get("prompts"), list):
         raise _BadRequest("expected a JSON object with lists 'images' (base64 PNG) and 'prompts'")
     images, prompts, meta = req["images"], req["prompts"], req.get("meta")
@@ -45,7 +45,7 @@ def _parse_request(body: bytes) -> tuple[Any, list[str], list[dict] | None]:
     try:
         tensor = decode_images(images)
     except Exception as e:  # noqa: BLE001
-        raise _BadRequest(f"cannot decode images: {type(e).__name__}: {e}")
+        raise _BadRequest(f"cannot decode images: {type(e).__name__}: {e}") from None
     return tensor, prompts, meta
 
 
@@ -118,7 +118,8 @@ def serve(reward: Reward, host: str, port: int, max_body_mb: float = 1024.0) -> 
 def main() -> None:
     import hydra
 
-    from stepflow.rewards.registry import CONF_DIR, build_reward
+    from stepflow.cli import CONF_DIR
+    from stepflow.rewards.registry import build_reward
 
     @hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="serve_reward")
     def _run(cfg) -> None:

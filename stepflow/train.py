@@ -64,7 +64,6 @@ def build_policy(cfg: DictConfig):
 
 
 def build_reward(cfg: DictConfig):
-    import hydra.utils
 
     rcfg = _container(cfg.reward)
     try:

@@ -19,19 +19,20 @@ from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 from omegaconf import OmegaConf
 
+from stepflow.cli import CONF_DIR
+
 ROOT = Path(__file__).resolve().parent.parent
-CONF = ROOT / "conf"
 sys.path.insert(0, str(ROOT / "experiments"))
 import ablations  # noqa: E402
 import report  # noqa: E402
 
-EXPERIMENTS = sorted(p.stem for p in (CONF / "experiment").glob("*.yaml"))
+EXPERIMENTS = sorted(p.stem for p in (CONF_DIR / "experiment").glob("*.yaml"))
 
 
 def _compose(overrides, hydra_cfg=False):
     GlobalHydra.instance().clear()
     try:
-        with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
             return compose(config_name="train", overrides=list(overrides), return_hydra_config=hydra_cfg)
     finally:
         GlobalHydra.instance().clear()
@@ -42,7 +43,7 @@ def _compose(overrides, hydra_cfg=False):
 def test_every_experiment_file_composes(name):
     c = ablations.planned_config(name, [])  # Hydra compose of train.yaml with experiment=<name>, resolved
     assert c["loop"]["iterations"] >= 1 and c["loop"]["group_size"] >= 2
-    if name.startswith("paper_"):  # the paper's settings (math.md §7.1)
+    if name.startswith("paper_"):  # the paper's settings (method.md §7.1)
         assert c["experiment_name"] == name
         assert c["model"]["name"] == "sd35_medium" and c["trainer"]["devices"] == 8 and c["trainer"]["strategy"] == "ddp"
         assert c["loop"]["num_steps"] == 10 and c["loop"]["substeps"] == 5
@@ -70,7 +71,7 @@ def test_the_paper_experiments_have_files_and_twins():
             "fig12_geneval_long", "fig13_unifiedreward_long", "fig11_ocr", "fig2_diagnostics"]
     for f in figs:
         assert f"paper_{f}" in EXPERIMENTS
-        twin = re.search(r"Miniature twin: (mini_\w+)", (CONF / "experiment" / f"paper_{f}.yaml").read_text())
+        twin = re.search(r"Miniature twin: (mini_\w+)", (CONF_DIR / "experiment" / f"paper_{f}.yaml").read_text())
         assert twin and twin.group(1) in EXPERIMENTS, f
 
 
@@ -120,10 +121,9 @@ def test_step0_suite_plans_the_default_recipe(tmp_path):
     assert default["sampler"]["schedule"] == "eta_s" and default["loop"]["iterations"] == 60
     from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
-    from omegaconf import OmegaConf
 
     GlobalHydra.instance().clear()
-    with initialize_config_dir(config_dir=str(ablations.CONF), version_base="1.3"):
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         plain = OmegaConf.to_container(compose("train"), resolve=True)  # python -m stepflow.train, no arguments
     GlobalHydra.instance().clear()
     default.pop("experiment_name")

@@ -1,4 +1,4 @@
-"""stepflow.credit (math.md §5, §6) against hand-computed numbers, explicit sums and a numpy re-implementation of
+"""stepflow.credit (method.md §5, §6) against hand-computed numbers, explicit sums and a numpy re-implementation of
 Flow-GRPO's PerPromptStatTracker (flow_grpo/stat_tracking.py: np.mean / np.std (ddof 0) per prompt, + 1e-4)."""
 
 from __future__ import annotations
@@ -98,7 +98,7 @@ def test_uniform_and_per_step_match_flow_grpo_tracker(global_std):
     ua = uniform_advantages(final, ids, 10, std_scope=scope)
     assert ua.shape == (9, 10)
     np.testing.assert_allclose(ua.numpy(), np.repeat(ref[:, None], 10, axis=1), rtol=1e-5, atol=1e-6)
-    # math.md §5 pitfall: the tracker fed a (B, T) gain matrix does per-step normalisation
+    # method.md §5 pitfall: the tracker fed a (B, T) gain matrix does per-step normalisation
     g = torch.randn(9, 4, generator=gen, dtype=torch.float64)
     np.testing.assert_allclose(normalize_per_step(g, ids, std_scope=scope).numpy(),
                                _flow_grpo_tracker(prompts, g.numpy(), global_std), rtol=1e-5, atol=1e-6)
@@ -112,7 +112,7 @@ def test_gae_limits_and_explicit_sum():
     torch.testing.assert_close(gae(g, 0.0, 0.9), g)
     torch.testing.assert_close(gae(g, 1.0, 1.0), r[:, -1:] - r[:, :-1])  # R_T − R_k
     c = 0.9 * 0.5
-    ref = torch.stack([sum(c**l * g[:, k + l] for l in range(10 - k)) for k in range(10)], dim=1)
+    ref = torch.stack([sum(c**j * g[:, k + j] for j in range(10 - k)) for k in range(10)], dim=1)
     torch.testing.assert_close(gae(g, 0.9, 0.5), ref)
 
 

@@ -1,4 +1,4 @@
-"""stepflow.estimate (math.md §4) against closed forms for Gaussian data x0 ~ N(m, v0) with the exact velocity:
+"""stepflow.estimate (method.md §4) against closed forms for Gaussian data x0 ~ N(m, v0) with the exact velocity:
 Tweedie = E[x0|x_t] = m + (1−t) v0 (x − (1−t) m)/V_t and the probability-flow ODE map
 Φ_t(x) = m + sqrt(v0/V_t)·(x − (1−t) m), V_t = (1−t)² v0 + t² (the affine monotone map N((1−t)m, V_t) → N(m, v0))."""
 

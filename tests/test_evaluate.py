@@ -1,15 +1,14 @@
 """Evaluation: deterministic ODE sampling, LoRA loading, and the ``stepflow.evaluate`` CLI on a tiny random model."""
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
 
+from stepflow.cli import CONF_DIR
 from stepflow.evaluation import balanced_subset, load_lora, read_lora, sample_ode, save_grid
 from stepflow.policies.shapes import ShapesPolicy
 
-CONF = Path(__file__).resolve().parent.parent / "conf"
 TINY = dict(num_layers=2, num_attention_heads=2, attention_head_dim=8, text_dim=16, text_layers=1, text_heads=2,
             pooled_dim=16, init="default")
 KEYS = {"geneval", *(f"geneval_{c}" for c in ("single_object", "two_object", "counting", "colors", "position",
@@ -74,7 +73,7 @@ def test_save_grid(tmp_path):
 def _compose(overrides):
     from hydra import compose, initialize_config_dir
 
-    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         return compose(config_name="evaluate", overrides=overrides)
 
 

@@ -1,5 +1,5 @@
 """stepflow.loss against autograd of the unclipped policy gradient, hand-computed clipped values,
-torch.distributions.kl_divergence, and math.md's closed-form KLs in terms of Δv (§2, §3.5)."""
+torch.distributions.kl_divergence, and method.md's closed-form KLs in terms of Δv (§2, §3.5)."""
 
 from __future__ import annotations
 
@@ -76,7 +76,7 @@ def _two_policies(cfg, ks):
 
 
 def test_flow_sde_kl_closed_form_and_parity_is_exact_times_dt():
-    """math.md §2: exact per-dim KL = (Δt/2)(1/σ_d + σ_d(1−t)/(2t))²·mean(Δv²); Flow-GRPO's value
+    """method.md §2: exact per-dim KL = (Δt/2)(1/σ_d + σ_d(1−t)/(2t))²·mean(Δv²); Flow-GRPO's value
     mean((μθ − μref)²)/(2σ_d²) equals the exact KL × Δt."""
     out, ref, dv, t, s, g = _two_policies(SamplerConfig("flow_sde", a=0.7), [0, 1, 4, 8, 9])
     exact = gaussian_kl(out.mean, ref.mean, out.std)
@@ -93,7 +93,7 @@ def test_flow_sde_kl_closed_form_and_parity_is_exact_times_dt():
 
 
 def test_ddim_kl_closed_form_and_parity_equals_exact():
-    """math.md §3.5: μθ − μref = [c(1−t) − t(1−s)]·Δv, KL = that² · mean(Δv²) / (2σ²); kl_scale = std for ddim."""
+    """method.md §3.5: μθ − μref = [c(1−t) − t(1−s)]·Δv, KL = that² · mean(Δv²) / (2σ²); kl_scale = std for ddim."""
     out, ref, dv, t, s, g = _two_policies(SamplerConfig("ddim_sde", eta=0.9, first_step_guard=True), [0, 3, 7, 8])
     exact = gaussian_kl(out.mean, ref.mean, out.std)
     torch.testing.assert_close(gaussian_kl(out.mean, ref.mean, out.kl_scale), exact)

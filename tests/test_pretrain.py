@@ -1,14 +1,12 @@
 """Pretraining: the data stream, the loss, checkpoint selection, and a 2-step Lightning run end to end."""
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
 
+from stepflow.cli import CONF_DIR
 from stepflow.pretrain import ShapesStream, flow_matching_loss, sample_t, select_checkpoint
-
-CONF = Path(__file__).resolve().parent.parent / "conf"
 
 
 def test_stream_batches():
@@ -63,12 +61,12 @@ def test_one_pretraining_run_writes_checkpoints(tmp_path):
         "select.low=0.0", "select.high=1.0", "select.min_category=-1", "select.rescore_top_k=1",
         "select.rescore_max_prompts=6", "optim.warmup_steps=1",
     ]
-    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         cfg = compose(config_name="pretrain", overrides=overrides)
     summary = run(cfg)
     assert summary["steps"] == 2
     assert (tmp_path / "checkpoints" / "last.ckpt").is_file()
-    rows = [json.loads(l) for l in (tmp_path / "evals.jsonl").read_text().splitlines()]
+    rows = [json.loads(line) for line in (tmp_path / "evals.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2] and all("geneval_counting" in r for r in rows)
     metrics = (tmp_path / "logs" / "version_0" / "metrics.csv").read_text()
     assert "train/loss" in metrics
@@ -79,7 +77,7 @@ def test_one_pretraining_run_writes_checkpoints(tmp_path):
     assert len(list((tmp_path / "grids").glob("*.png"))) == 2
 
     # resume from the Lightning checkpoint for one more step (fresh data, same run dir, whole history kept)
-    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         cfg = compose(config_name="pretrain", overrides=[o for o in overrides if not o.startswith("trainer.max_steps")]
                       + ["trainer.max_steps=3", f"resume={tmp_path / 'checkpoints' / 'last.ckpt'}"])
     summary = run(cfg)

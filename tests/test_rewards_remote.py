@@ -297,8 +297,9 @@ def test_serve_reward_config_composes():
     from hydra import compose, initialize_config_dir
     from hydra.errors import ConfigCompositionException
 
+    from stepflow.cli import CONF_DIR
     from stepflow.rewards.ocr import OCRReward
-    from stepflow.rewards.registry import CONF_DIR, build_reward
+    from stepflow.rewards.registry import build_reward
 
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         cfg = compose("serve_reward", overrides=["reward=ocr", "reward.engine=builtins:str", "port=0"])

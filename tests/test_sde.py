@@ -1,5 +1,5 @@
-"""stepflow.sde against independent references: diffusers' scheduler, math.md's printed numbers, closed-form
-formulas re-derived here in plain python/numpy (the x̂0/x̂1 forms of math.md, not the code's forms),
+"""stepflow.sde against independent references: diffusers' scheduler, method.md's printed numbers, closed-form
+formulas re-derived here in plain python/numpy (the x̂0/x̂1 forms of method.md, not the code's forms),
 torch.distributions, and Monte-Carlo sampling of Gaussian data with the exact velocity field."""
 
 from __future__ import annotations
@@ -23,10 +23,10 @@ from stepflow.sde import (
     time_grid,
 )
 
-# math.md §1, printed to 4 decimals.
+# method.md §1, printed to 4 decimals.
 TAU10 = [1.0000, 0.9601, 0.9133, 0.8577, 0.7904, 0.7073, 0.6022, 0.4649, 0.2780, 0.0089, 0.0]
 
-# math.md §3.3 table (3 significant decimals), k = 0..9.
+# method.md §3.3 table (3 significant decimals), k = 0..9.
 TABLE_DDIM_SQRT = [.173, .164, .227, .268, .291, .293, .264, .183, .0068, 0.0]  # guarded k=0
 TABLE_DDIM_ETA_S = [.864, .822, .772, .711, .637, .542, .418, .250, .0080, 0.0]
 TABLE_FLOW = [.700, .743, .536, .446, .392, .353, .319, .282, .225, .0063]
@@ -41,7 +41,7 @@ STOCHASTIC = [
 
 
 def _ref_std(cfg: SamplerConfig, t: float, s: float, t1: float) -> float:
-    """Per-step std written from math.md §2/§3.3 in plain python."""
+    """Per-step std written from method.md §2/§3.3 in plain python."""
     if cfg.name == "flow_sde":
         tt = t1 if t == 1.0 else t
         return cfg.a * math.sqrt(t / (1 - tt)) * math.sqrt(t - s)
@@ -58,7 +58,7 @@ def _ref_std(cfg: SamplerConfig, t: float, s: float, t1: float) -> float:
 
 
 def _ref_xhat1_coef(cfg: SamplerConfig, t: float, s: float, t1: float) -> float:
-    """Coefficient c of x̂1 in μ = (1−s)·x̂0 + c·x̂1 (math.md §2 second line, §3.1, §3.3 CPS)."""
+    """Coefficient c of x̂1 in μ = (1−s)·x̂0 + c·x̂1 (method.md §2 second line, §3.1, §3.3 CPS)."""
     std = _ref_std(cfg, t, s, t1)
     if cfg.name == "flow_sde":
         tt = t1 if t == 1.0 else t
@@ -95,7 +95,7 @@ def test_grid_10_steps_matches_math_md():
 
 
 # ------------------------------------------------------------------------------------------------------------
-# per-step std tables (math.md §2, §3.3)
+# per-step std tables (method.md §2, §3.3)
 # ------------------------------------------------------------------------------------------------------------
 def test_std_table_math_md():
     g = time_grid(10, 3.0)
@@ -126,7 +126,7 @@ def test_std_all_schedules_match_formula_and_batched_times():
 
 
 def test_eta_t_sqrt1mt_clamps_last_three_steps():
-    """math.md §3.3: with η t √(1−t) the x̂1 coefficient would be imaginary at t = .465, .278, .0089 (clamped to 0)."""
+    """method.md §3.3: with η t √(1−t) the x̂1 coefficient would be imaginary at t = .465, .278, .0089 (clamped to 0)."""
     g = time_grid(10, 3.0)
     cfg = SamplerConfig("ddim_sde", eta=0.9, schedule="eta_t_sqrt1mt", first_step_guard=True)
     neg = [k for k in range(10) if float(g[k + 1]) ** 2 - float(step_std(cfg, g[k], g[k + 1], g[1])) ** 2 < 0]
@@ -140,7 +140,7 @@ def test_eta_t_sqrt1mt_clamps_last_three_steps():
 
 
 def test_flow_grpo_overshoot_numbers_math_md():
-    """math.md §2: at 0.278 → 0.0089, x̂1 coefficient −0.082, std 0.225, implied noise level 0.240."""
+    """method.md §2: at 0.278 → 0.0089, x̂1 coefficient −0.082, std 0.225, implied noise level 0.240."""
     g = time_grid(10, 3.0)
     k = 8
     t = float(g[k])
@@ -152,7 +152,7 @@ def test_flow_grpo_overshoot_numbers_math_md():
 
 
 def test_ddim_dmu_dv_over_sigma_math_md():
-    """math.md §3.5: |∂μ/∂v|/σ_t is ~1.2 at k = 7 and ~40 at k = 8 (autograd through the implementation)."""
+    """method.md §3.5: |∂μ/∂v|/σ_t is ~1.2 at k = 7 and ~40 at k = 8 (autograd through the implementation)."""
     g = time_grid(10, 3.0)
     cfg = SamplerConfig("ddim_sde", eta=0.9, first_step_guard=True)
     ratios = []
@@ -179,7 +179,7 @@ def _random_batch(b=6, shape=(3, 4, 4), seed=1):
 
 @pytest.mark.parametrize("cfg", STOCHASTIC, ids=lambda c: f"{c.name}-{c.schedule}")
 def test_mean_matches_xhat_form(cfg):
-    """μ = (1−s)·x̂0 + c·x̂1 with c from math.md (flow: s − σ_d²Δt/(2t); DDIM/CPS: sqrt((s²−σ²)₊))."""
+    """μ = (1−s)·x̂0 + c·x̂1 with c from method.md (flow: s − σ_d²Δt/(2t); DDIM/CPS: sqrt((s²−σ²)₊))."""
     x, v, t, s, g = _random_batch()
     out = sde_step(cfg, x, v, t, s, t_guard=g[1])
     for i in range(x.shape[0]):
@@ -192,7 +192,7 @@ def test_mean_matches_xhat_form(cfg):
 
 
 def test_flow_sde_mean_matches_flow_grpo_drift_form():
-    """math.md §2 first line: μ = x − Δt·[v + σ_d²/(2t)·(x + (1−t) v)] (the code uses a²/(2(1−t̃)) instead)."""
+    """method.md §2 first line: μ = x − Δt·[v + σ_d²/(2t)·(x + (1−t) v)] (the code uses a²/(2(1−t̃)) instead)."""
     x, v, t, s, g = _random_batch()
     out = flow_sde_step(x, v, t, s, a=0.7, t_guard=g[1])
     for i in range(x.shape[0]):
@@ -360,7 +360,7 @@ def exact_velocity(x, t, m=M_DATA, v0=V_DATA):
 
 
 def _ref_moments(cfg, grid, m, v0):
-    """Exact mean/variance of the *discrete* chain (float64 numpy), from math.md's x̂ forms: with the exact field
+    """Exact mean/variance of the *discrete* chain (float64 numpy), from method.md's x̂ forms: with the exact field
     x̂0 = E[x0|x], x̂1 = E[x1|x] are affine in x, so each step maps N(M, V) to N(A M + b, A² V + std²)."""
     g = [float(u) for u in grid]
     mm, vv = 0.0, 1.0
@@ -369,7 +369,7 @@ def _ref_moments(cfg, grid, m, v0):
         vt = (1 - t) ** 2 * v0 + t**2
         c = _ref_xhat1_coef(cfg, t, s, g[1]) if cfg.name != "ode" else s
 
-        def mu(x):
+        def mu(x, s=s, t=t, vt=vt, c=c):
             return (1 - s) * (m + (1 - t) * v0 * (x - (1 - t) * m) / vt) + c * t * (x - (1 - t) * m) / vt
 
         b = mu(0.0)
@@ -418,7 +418,7 @@ def test_mc_ode_and_flow_sde_reproduce_data_moments(cfg):
 @pytest.mark.parametrize("cfg", STOCHASTIC + [SamplerConfig("ode")], ids=lambda c: f"{c.name}-{c.schedule}")
 @pytest.mark.parametrize("steps", [10, 100])
 def test_mc_matches_exact_discrete_chain(cfg, steps):
-    """Sampling with the implementation reproduces the exact moments of the discrete chain written from math.md
+    """Sampling with the implementation reproduces the exact moments of the discrete chain written from method.md
     (4 SEs, no discretisation slack needed: both sides are the same discrete process).  On the 10-step training
     grid the discretisation error itself is large (ode: −48% variance for v0 = 0.25), so this is a sharp check."""
     grid = time_grid(steps, 3.0)
@@ -432,7 +432,7 @@ def test_mc_matches_exact_discrete_chain(cfg, steps):
                                  SamplerConfig("ddim_sde", eta=0.9, schedule="eta_s"), SamplerConfig("cps", eta=0.9)],
                          ids=["ddim", "ddim-guard", "ddim-eta_s", "cps"])
 def test_mc_ddim_exact_marginals_for_point_mass_data(cfg):
-    """math.md §3.2: for point-mass data (v0 = 0) the DDIM/CPS step is exactly marginal-preserving, so on the
+    """method.md §3.2: for point-mass data (v0 = 0) the DDIM/CPS step is exactly marginal-preserving, so on the
     10-step grid every state X_k ~ N((1−τ_k) m, τ_k²) (4 SEs; the final state equals m exactly)."""
     m, v0 = torch.tensor([0.7, -0.3]), torch.zeros(2)
     grid = time_grid(10, 3.0)
@@ -444,7 +444,7 @@ def test_mc_ddim_exact_marginals_for_point_mass_data(cfg):
 
 
 def test_mc_eta_t_sqrt1mt_adds_final_noise_for_point_mass_data():
-    """math.md §3.3: the clamped η t √(1−t) schedule adds noise to the final image: for point-mass data the last
+    """method.md §3.3: the clamped η t √(1−t) schedule adds noise to the final image: for point-mass data the last
     state has std σ_9 = η τ_9 √(1−τ_9) ≈ 0.008 instead of 0."""
     m, v0 = torch.tensor([0.7, -0.3]), torch.zeros(2)
     grid = time_grid(10, 3.0)
@@ -456,7 +456,7 @@ def test_mc_eta_t_sqrt1mt_adds_final_noise_for_point_mass_data():
 @pytest.mark.parametrize("cfg", [SamplerConfig("ddim_sde", eta=0.9), SamplerConfig("cps", eta=0.9)],
                          ids=["ddim", "cps"])
 def test_mc_ddim_and_cps_do_not_preserve_gaussian_data_variance(cfg):
-    """Finding (not in math.md): with non-degenerate data and η = 0.9 the DDIM/CPS chains lose variance that does
+    """Finding (not in method.md): with non-degenerate data and η = 0.9 the DDIM/CPS chains lose variance that does
     not vanish with more steps (σ is O(1) per step, not O(√Δt), so noise is refreshed around the posterior mean
     x̂0, whose variance is below v0).  The exact chain gives ≈ −21%/−45% (v0 = 2) at both 100 and 400 steps; the
     sampler (n = 20k, 100 steps) shows a deficit of more than 10%."""

@@ -6,8 +6,21 @@ import numpy as np
 import pytest
 import torch
 
-from stepflow.shapes import (CATEGORIES, COLORS, SHAPES, Scene, ShapeSpec, detect, evaluate, judge, parse_prompt, render,
-                             sample_prompt, scene_for_prompt, shape_mask)
+from stepflow.shapes import (
+    CATEGORIES,
+    COLORS,
+    SHAPES,
+    Scene,
+    ShapeSpec,
+    detect,
+    evaluate,
+    judge,
+    parse_prompt,
+    render,
+    sample_prompt,
+    scene_for_prompt,
+    shape_mask,
+)
 from stepflow.shapes.world import place
 
 
@@ -83,7 +96,7 @@ def _alterations(req, scene, rng):
     if req.category in ("single_object", "two_object", "position", "color_attr", "colors"):
         out["missing"] = Scene(tuple(objs[1:]), scene.size)
     if req.category in ("colors", "color_attr"):
-        for i, o in enumerate(req.objects):
+        for i in range(len(req.objects)):
             wrong = next(c for c in COLORS if c not in {x.color for x in req.objects})
             changed = list(objs)
             changed[i] = ShapeSpec(objs[i].shape, wrong, objs[i].x, objs[i].y, objs[i].s)
@@ -181,7 +194,7 @@ def test_noise_and_clutter_are_not_objects():
 
 
 def test_shape_fit_of_rendered_shapes_is_high():
-    from stepflow.shapes import SHAPES, ShapeSpec, Scene, render
+    from stepflow.shapes import SHAPES, Scene, ShapeSpec, render
     from stepflow.shapes.detector import detect
 
     for shape in SHAPES:

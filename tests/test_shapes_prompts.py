@@ -5,8 +5,19 @@ from pathlib import Path
 
 import pytest
 
-from stepflow.shapes import (CATEGORIES, COLORS, DISJOINT_CATEGORIES, SHAPES, all_requirements, load_prompts,
-                             parse_prompt, prompt_file, prompt_space_sizes, split_requirements)
+from stepflow.cli import CONF_DIR
+from stepflow.shapes import (
+    CATEGORIES,
+    COLORS,
+    DISJOINT_CATEGORIES,
+    SHAPES,
+    all_requirements,
+    load_prompts,
+    parse_prompt,
+    prompt_file,
+    prompt_space_sizes,
+    split_requirements,
+)
 from stepflow.shapes.prompts import generate_records
 from stepflow.shapes.world import RELATIONS
 
@@ -104,7 +115,7 @@ def test_files_disjoint_and_balanced():
 
 
 def test_data_config_points_at_files():
-    text = (ROOT / "conf" / "data" / "shapes.yaml").read_text()
+    text = (CONF_DIR / "data" / "shapes.yaml").read_text()
     assert "name: shapes" in text
     for split in ("train", "eval"):
         assert f"{split}_file: pkg://stepflow/shapes/prompts/{split}_v1.jsonl" in text

@@ -7,6 +7,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
+from stepflow.cli import CONF_DIR
 from stepflow.rewards.base import Reward, RewardOut
 from stepflow.rewards.shapes_geneval import ShapesGenEvalReward, geneval_table
 from stepflow.shapes import CATEGORIES, Scene, ShapeSpec, render, sample_prompt, scene_for_prompt
@@ -72,7 +73,7 @@ def test_geneval_table_keys_and_mean():
 
 
 def test_config_instantiates():
-    cfg = OmegaConf.load(ROOT / "conf" / "reward" / "shapes_geneval.yaml")
+    cfg = OmegaConf.load(CONF_DIR / "reward" / "shapes_geneval.yaml")
     assert cfg._target_ == "stepflow.rewards.shapes_geneval.ShapesGenEvalReward"
     from hydra.utils import instantiate
 

@@ -3,8 +3,21 @@
 import numpy as np
 import pytest
 
-from stepflow.shapes import (BACKGROUND, CATEGORIES, COLORS, SHAPES, Scene, ShapeSpec, all_requirements, parse_prompt,
-                             render, sample_prompt, scene_for_prompt, shape_mask, side_range)
+from stepflow.shapes import (
+    BACKGROUND,
+    CATEGORIES,
+    COLORS,
+    SHAPES,
+    Scene,
+    ShapeSpec,
+    all_requirements,
+    parse_prompt,
+    render,
+    sample_prompt,
+    scene_for_prompt,
+    shape_mask,
+    side_range,
+)
 from stepflow.shapes.world import spec_relations
 
 BG = np.asarray(BACKGROUND, np.float32) / 255

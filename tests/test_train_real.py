@@ -6,7 +6,6 @@ from __future__ import annotations
 import csv
 
 import pytest
-
 from test_rewards_clip import tiny_clip_dir  # noqa: F401 - fixture: a tiny CLIP saved with save_pretrained
 from test_train_loop import make_cfg
 
@@ -20,7 +19,7 @@ def test_one_iteration_sd3_tiny_with_tiny_pickscore(tmp_path, tiny_clip_dir, adv
                    f"reward.processor_path={tiny_clip_dir}", f"advantage={advantage}", "loop.iterations=1",
                    "loop.guidance=4.5", "eval.max_prompts=4", "eval.guidance=4.5", "loop.num_steps=3",
                    "lora.rank=2", "lora.alpha=4")
-    module = run(cfg, tmp_path / "run")
+    run(cfg, tmp_path / "run")
     with (tmp_path / "run" / "metrics.csv").open() as fh:
         rows = list(csv.DictReader(fh))
     train = [r for r in rows if r.get("train/reward_final")]

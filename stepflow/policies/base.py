@@ -3,7 +3,7 @@
 Conventions (all policies):
 
 - time ``t`` is in [0, 1]; ``t = 1`` is pure noise, ``t = 0`` is data (rectified flow ``x_t = (1-t) x0 + t x1``);
-- ``velocity`` predicts ``v = dx/dt = x1 - x0`` (math.md §1), so an Euler step towards data is ``x - dt * v``;
+- ``velocity`` predicts ``v = dx/dt = x1 - x0`` (method.md §1), so an Euler step towards data is ``x - dt * v``;
 - latents are ``(B, C, H, W)``; ``decode`` maps them to images ``(B, 3, H', W')`` in [0, 1];
 - the SDE math is done by the caller in fp32 (``stepflow.sde``); ``velocity`` returns fp32.
 
@@ -15,8 +15,9 @@ and the LoRA state dict are shared here.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, fields
-from typing import Iterator, Sequence
+from pathlib import Path
 
 import torch
 from torch import Tensor, nn
@@ -108,7 +109,7 @@ class FlowPolicy(nn.Module):
         return next(self.transformer.parameters()).dtype
 
     def time_grid(self, num_steps: int) -> Tensor:
-        """The sampling grid (num_steps + 1,), from 1 to 0 (math.md §1)."""
+        """The sampling grid (num_steps + 1,), from 1 to 0 (method.md §1)."""
         from stepflow.sde import time_grid
 
         return time_grid(num_steps, shift=self.shift)
@@ -189,11 +190,9 @@ class FlowPolicy(nn.Module):
 
         return get_peft_model_state_dict(self.transformer)
 
-    def save_lora(self, directory) -> "Path":
+    def save_lora(self, directory) -> Path:
         """Write the adapter as ``pytorch_lora_weights.safetensors`` that diffusers' ``load_lora_weights`` reads,
         with the peft config (rank, alpha, targets) as metadata so the reloaded scale alpha/rank is right."""
-        from pathlib import Path
-
         from diffusers import StableDiffusion3Pipeline
 
         if not self.has_lora:

@@ -22,13 +22,14 @@ from __future__ import annotations
 
 import contextlib
 import os
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
 
-from stepflow.policies.base import Cond, FlowPolicy, LORA_TARGETS_SD3
+from stepflow.policies.base import LORA_TARGETS_SD3, Cond, FlowPolicy
 
 __all__ = ["ModelLoadError", "SD3Policy", "default_lora", "load_sd3_pipeline", "resolve_dtype"]
 

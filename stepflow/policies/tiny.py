@@ -68,7 +68,12 @@ def build_tiny_sd3_pipeline(seed: int = 0):
     Transformer: 2 layers (the first with SD3.5's dual attention), 2 heads of 8, RMS qk-norm, 16 latent channels.
     VAE: 4 blocks (8x downsample), 16 latent channels, ``scaling_factor=1.5305``, ``shift_factor=0.0609`` (SD3's).
     """
-    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel, StableDiffusion3Pipeline
+    from diffusers import (
+        AutoencoderKL,
+        FlowMatchEulerDiscreteScheduler,
+        SD3Transformer2DModel,
+        StableDiffusion3Pipeline,
+    )
     from transformers import CLIPTextConfig, CLIPTextModelWithProjection, T5Config, T5EncoderModel
 
     clip_tok, t5_tok = make_clip_tokenizer(), make_t5_tokenizer()

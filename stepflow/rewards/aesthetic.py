@@ -8,7 +8,7 @@ the AVA 1-10 scale (typically 4-7). This is Flow-GRPO's ``aesthetic`` reward.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F

@@ -11,8 +11,9 @@ transformers 5 note: ``get_image_features``/``get_text_features`` return a ``Bas
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from fractions import Fraction
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 import torch.nn.functional as F

@@ -12,14 +12,21 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor
 
 from stepflow.rewards.base import Reward, RewardOut
-from stepflow.rewards.loading import (check_keys, load_guard, load_state_dict, pick_device, pick_dtype,
-                                      resolve_file, to_pil)
+from stepflow.rewards.loading import (
+    check_keys,
+    load_guard,
+    load_state_dict,
+    pick_device,
+    pick_dtype,
+    resolve_file,
+    to_pil,
+)
 
 
 class HPSv2(Reward):

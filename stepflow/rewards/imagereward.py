@@ -18,7 +18,7 @@ the checkpoint but unused by the score, and are not built.
 from __future__ import annotations
 
 import os
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor, nn
@@ -26,8 +26,16 @@ from torch import Tensor, nn
 from stepflow.rewards.aesthetic import AestheticMLP
 from stepflow.rewards.base import Reward, RewardOut
 from stepflow.rewards.blip import MedConfig, MedTextEncoder, VisionTransformer
-from stepflow.rewards.loading import (check_keys, check_local, load_guard, load_state_dict, pick_device, pick_dtype,
-                                      resolve_file, to_pil)
+from stepflow.rewards.loading import (
+    check_keys,
+    check_local,
+    load_guard,
+    load_state_dict,
+    pick_device,
+    pick_dtype,
+    resolve_file,
+    to_pil,
+)
 
 IMAGEREWARD_MEAN = 0.16717362830052426
 IMAGEREWARD_STD = 1.0333394966054072

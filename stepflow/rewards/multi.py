@@ -17,7 +17,8 @@ Components: ``<name>`` = r_i (raw, unweighted), ``<name>/<component>`` = that re
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
 from torch import Tensor

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import importlib
 import logging
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch

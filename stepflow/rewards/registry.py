@@ -7,17 +7,14 @@ Hydra's wrapped, multi-screen traceback.
 
 from __future__ import annotations
 
-from pathlib import Path
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 from stepflow.rewards.base import Reward
 from stepflow.rewards.errors import MalformedReplyError, RewardError, RewardLoadError, RewardServiceError
 
 __all__ = ["build_reward", "reward_config", "RewardLoadError", "RewardServiceError", "MalformedReplyError",
-           "CONF_DIR", "REWARD_NAMES"]
-
-#: the repository's Hydra config dir (``conf/``); rewards live in ``conf/reward/``
-CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
+           "REWARD_NAMES"]
 
 #: the reward configs stepflow ships (``reward=<name>``)
 REWARD_NAMES = ("shapes_geneval", "pickscore", "clipscore", "hpsv2", "aesthetic", "imagereward", "ocr", "remote",
@@ -38,6 +35,8 @@ def reward_config(name: str, overrides: Sequence[str] = ()) -> Any:
     """Compose ``conf/reward/<name>.yaml`` (with its defaults list) and ``reward.*`` overrides, e.g.
     ``reward_config("pickscore", ["model_path=/models/PickScore_v1"])``."""
     from hydra import compose, initialize_config_dir
+
+    from stepflow.cli import CONF_DIR
 
     ov = [f"+reward={name}"] + [o if o.startswith(("reward.", "+reward.", "~reward.")) else
                                 ("+" if o.startswith("+") else "") + "reward." + o.lstrip("+") for o in overrides]

@@ -29,8 +29,9 @@ import socket
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -115,7 +116,7 @@ def post_json(url: str, payload: dict, *, timeout_s: float, max_retries: int, ba
             if e.code in RETRY_STATUS:
                 continue
             raise RewardServiceError(f"{what}: POST {url} was refused ({last})") from None
-        except (TimeoutError, socket.timeout) as e:
+        except TimeoutError as e:
             last = f"timeout after {timeout_s:g}s ({one_line(e, 80) or 'no reply'})"
             continue
         except urllib.error.URLError as e:

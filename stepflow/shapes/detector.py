@@ -275,7 +275,7 @@ def detect(image, min_area: int | None = None, threshold: float = FG_THRESHOLD,
     for i, (p, _) in enumerate(parts):
         owner[p] = i
     out: list[Detection] = []
-    for i, (part, c) in enumerate(parts):
+    for part, c in parts:
         ys, xs = np.nonzero(part)
         y0, y1, x0, x1 = ys.min(), ys.max() + 1, xs.min(), xs.max() + 1
         # soft mask: opacity of colour c in a 2-px neighbourhood of the part that no other object owns

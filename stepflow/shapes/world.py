@@ -12,7 +12,7 @@ its box centre is ``(x + s/2, y + s/2)``.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from functools import lru_cache
+from functools import cache
 
 import numpy as np
 
@@ -93,7 +93,7 @@ class Scene:
         return out
 
 
-@lru_cache(maxsize=None)
+@cache
 def shape_mask(shape: str, s: int) -> np.ndarray:
     """Boolean (s, s) mask of ``shape`` filling an s x s box (cached; do not modify the result).
 

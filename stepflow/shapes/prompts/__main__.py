@@ -5,7 +5,14 @@ from __future__ import annotations
 import argparse
 import sys
 
-from stepflow.shapes.prompts import SPLITS, generate_records, load_prompts, prompt_file, prompt_space_sizes, write_prompt_files
+from stepflow.shapes.prompts import (
+    SPLITS,
+    generate_records,
+    load_prompts,
+    prompt_file,
+    prompt_space_sizes,
+    write_prompt_files,
+)
 
 
 def main(argv=None) -> int:
