@@ -4,9 +4,8 @@
 
 Prints the median wall time over ``--repeats`` runs (after one warm-up) and the number of function evaluations
 (NFE = steps, x2 with CFG: one batched transformer call per step). Torch threads: torch's default unless --threads.
-Budget (issue): 64 images x 10 steps <= 1.5 s on the 2-core CI machine. Measured for the shipped model: median
-1.35 s with 2 threads on the idle machine, 2.0 s with --threads 1; with another busy process on the machine the
-2-thread number explodes (OpenMP oversubscription), so benchmark on an idle machine or pass --threads 1.
+Run it on an idle machine or with ``--threads 1``: with another busy process, two OpenMP threads per process are
+much slower than one. Measured times: the shapes base model's card (stepflow/assets/shapes_base/README.md).
 """
 
 from __future__ import annotations

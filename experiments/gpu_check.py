@@ -9,9 +9,9 @@ What runs (random weights; no downloads, no text encoders):
 - the SD3 VAE architecture (16 latent channels, 8x, scaling 1.5305 / shift 0.0609) in fp32;
 - text encoders replaced by fixed random embeddings of the real shapes: tokens (B, 77 + 256 = 333, 4096) and
   pooled (B, 2048), one per prompt (so the T5-XXL's ~9.5 GB is not counted);
-- stepflow's own pieces: :class:`stepflow.policies.sd3.SD3Policy` (velocity + CFG, decode, LoRA),
-  ``stepflow.rollout`` (SDE rollout, batched x̂0 estimates, scoring), ``stepflow.sde`` (step log-probs),
-  ``stepflow.credit`` (advantages) and ``stepflow.loss`` (clipped surrogate + KL);
+- the training loop's own iteration, :func:`stepflow.algorithm.iteration` (rollout, batched x̂0 estimates, scoring,
+  advantages, the clipped-GRPO + KL update; timed per phase by ``stepflow.algorithm.Phases``) over
+  :class:`stepflow.policies.sd3.SD3Policy` (velocity + CFG, decode, LoRA);
 - a cheap stand-in reward on the decoded images (brightness/colourfulness), so the reward phase measures decoding.
 
 For each ``--advantages`` scheme (default ``uniform,gain``): rollout (T steps, batch B, SDE) -> x̂0 estimates (gain
@@ -25,7 +25,7 @@ Usage::
     python experiments/gpu_check.py --tiny          # CPU smoke test: tiny config, 2 steps, 64 px
     bash experiments/gpu_check.sh [args]            # the same with diffusers supplied if the image lacks it
 
-Needs torch, peft, diffusers (no hydra, omegaconf, lightning or transformers models).
+Needs torch, peft, diffusers and omegaconf (no hydra, lightning or transformers models).
 """
 
 from __future__ import annotations
@@ -38,7 +38,6 @@ import platform
 import sys
 import time
 import zlib
-from contextlib import contextmanager
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -47,6 +46,8 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
+
+from stepflow.rewards.base import Reward, RewardOut  # noqa: E402
 
 # SD3.5-Medium, transformer/config.json (stabilityai/stable-diffusion-3.5-medium)
 SD35_MEDIUM_TRANSFORMER = dict(
@@ -132,159 +133,60 @@ def build_policy(tiny: bool, device: torch.device, dtype: torch.dtype, size: int
     return policy
 
 
-class StandInReward:
+class StandInReward(Reward):
     """Cheap image reward on decoded images (B, 3, H, W) in [0, 1]: colourfulness − |brightness − 0.5|."""
 
     name = "stand_in"
+    batch_size = 256
 
-    def __init__(self):
-        from stepflow.rewards.base import Reward, RewardOut
-
-        class _R(Reward):
-            name = "stand_in"
-            batch_size = 256
-
-            def score(self, images, prompts, meta):
-                bright = images.mean(dim=(1, 2, 3))
-                colour = images.std(dim=1).mean(dim=(1, 2))
-                return RewardOut(colour - (bright - 0.5).abs(), {"brightness": bright})
-
-        self.impl = _R()
-
-    def __call__(self, images, prompts, meta=None):
-        return self.impl(images, prompts, meta)
+    def score(self, images, prompts, meta):
+        bright = images.mean(dim=(1, 2, 3))
+        colour = images.std(dim=1).mean(dim=(1, 2))
+        return RewardOut(colour - (bright - 0.5).abs(), {"brightness": bright})
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# phases (each a small function over stepflow's modules)
-# ----------------------------------------------------------------------------------------------------------------
-def do_rollout(policy, prompts, group_ids, sampler, steps, guidance, seed):
-    from stepflow.rollout import rollout
-
-    b = len(prompts)
-    cond = policy.encode(prompts)
-    latent_seeds = torch.tensor([seed * 1000 + int(g) for g in group_ids])  # same x_T within a group
-    sample_seeds = torch.arange(b) + seed * 100_000
-    return rollout(policy, cond, prompts, [{} for _ in prompts], group_ids, sampler, steps, guidance,
-                   latent_seeds, sample_seeds)
-
-
-def do_estimates(policy, traj, substeps, guidance, chunk):
-    from stepflow.rollout import estimate_states
-
-    return estimate_states(policy, traj, substeps, guidance, chunk_size=chunk)
-
-
-def do_rewards(policy, reward, traj, x0_hat, stepwise, decode_chunk):
-    from stepflow.rollout import score_final, score_states
-
-    if stepwise:
-        return score_states(policy, reward, traj, x0_hat, decode_chunk=decode_chunk)[0]
-    return score_final(policy, reward, traj)[0]
-
-
-def do_credit(scheme, rewards, group_ids):
-    from stepflow.credit import CreditAssigner, CreditConfig
-
-    return CreditAssigner(CreditConfig(scheme=scheme))(rewards, group_ids).advantages
-
-
-def trainable_steps(traj, timestep_fraction):
-    t = traj.num_steps
-    return [k for k in range(int(t * timestep_fraction + 1e-9)) if bool(traj.trainable[:, k].all())]
-
-
-def do_update(policy, opt, traj, adv, sampler, guidance, *, clip_eps=1e-4, beta_kl=0.04, micro_batch=8,
-              timestep_fraction=0.99, max_grad_norm=1.0):
-    """One optimizer step accumulated over (trainable steps × micro-batches), as ``GRPOModule.update``."""
-    from stepflow.loss import policy_loss
-    from stepflow.sde import sde_step
-
-    dev = policy.device
-    times = traj.times.to(dev)
-    steps = trainable_steps(traj, timestep_fraction)
-    rows = torch.nonzero(adv.abs().sum(1) > 0).flatten()
-    mbs = list(rows.split(micro_batch))
-    n_terms = max(1, len(steps) * len(mbs))
-    opt.zero_grad(set_to_none=True)
-    stats = {"loss": 0.0, "kl": 0.0, "clip_frac": 0.0}
-    policy.train()
-    for k in steps:
-        for mb in mbs:
-            x_k, x_next = traj.latents[mb, k].to(dev), traj.latents[mb, k + 1].to(dev)
-            cond = traj.cond.index(mb).to(dev)
-            t, s = times[k], times[k + 1]
-            v = policy.velocity(x_k, t, cond, guidance)
-            out = sde_step(sampler, x_k, v, t, s, t_guard=times[1], prev_sample=x_next)
-            ref_mean = None
-            if beta_kl > 0:
-                with torch.no_grad(), policy.disable_adapter():
-                    v_ref = policy.velocity(x_k, t, cond, guidance)
-                    ref_mean = sde_step(sampler, x_k, v_ref, t, s, t_guard=times[1], prev_sample=x_next).mean
-            lo = policy_loss(out.log_prob, traj.log_probs[mb, k].to(dev), adv[mb, k].to(dev), clip_eps=clip_eps,
-                             mean=out.mean, ref_mean=ref_mean, std=out.std, kl_scale=out.kl_scale, beta=beta_kl)
-            (lo.loss / n_terms).backward()
-            stats["loss"] += float(lo.loss.detach()) / n_terms
-            stats["kl"] += float(lo.kl) / n_terms
-            stats["clip_frac"] += float(lo.clip_frac) / n_terms
-    params = list(policy.lora_parameters())
-    stats["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(params, max_grad_norm))
-    opt.step()
-    policy.eval()
-    stats["steps_trained"] = len(steps)
-    stats["rows_trained"] = len(rows)
-    return stats
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# timing
-# ----------------------------------------------------------------------------------------------------------------
 def _sync(device):
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
 
-@contextmanager
-def phase(record: dict, name: str, device: torch.device):
-    _sync(device)
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-    t0 = time.perf_counter()
-    yield
-    _sync(device)
-    record[f"{name}_s"] = time.perf_counter() - t0
-    if device.type == "cuda":
-        record[f"{name}_peak_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
+# ----------------------------------------------------------------------------------------------------------------
+# one iteration: the training loop's own function (stepflow.algorithm.iteration), timed per phase
+# ----------------------------------------------------------------------------------------------------------------
+def make_learner(policy, reward, scheme, args, optimizer):
+    """A :class:`stepflow.algorithm.Learner` of the check's settings (Flow-GRPO's update: clip 1e-4, 9 of 10 steps)."""
+    from stepflow.advantage import AdvantageConfig, AdvantageEstimator
+    from stepflow.algorithm import Learner
+    from stepflow.config import LoopConfig, TrainConfig
+    from stepflow.data import GroupSampler
+    from stepflow.sampler import SamplerConfig
+
+    groups = max(1, args.batch // args.group_size)
+    loop = LoopConfig(iterations=args.iters, prompts_per_iter=groups, group_size=args.group_size, num_steps=args.steps,
+                      substeps=args.substeps, estimate_chunk=args.estimate_chunk, decode_chunk=args.decode_chunk)
+    train = TrainConfig(lr=3e-4, beta_kl=args.beta_kl, micro_batch_size=args.micro_batch,
+                        timestep_fraction=args.timestep_fraction)
+    plan = GroupSampler([{"prompt": p} for p in PROMPTS], groups, args.group_size, seed=0)
+    return Learner(policy, reward, SamplerConfig(name=args.sampler), AdvantageEstimator(AdvantageConfig(scheme=scheme)),
+                   plan, loop, train, optimizer, guidance=args.guidance)
 
 
-def run_scheme(policy, reward, scheme, args, device, it):
-    from stepflow.sde import SamplerConfig
+def run_scheme(learner, it):
+    from stepflow.algorithm import iteration, iteration_metrics
 
-    sampler = SamplerConfig(name=args.sampler)
-    b = args.batch
-    groups = max(1, b // args.group_size)
-    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(groups) for _ in range(args.group_size)][:b]
-    group_ids = torch.tensor([i for i in range(groups) for _ in range(args.group_size)][:b])
-    stepwise = scheme != "uniform"
-    rec: dict = {"scheme": scheme, "iteration": it}
-    with phase(rec, "rollout", device):
-        traj, nfe_roll = do_rollout(policy, prompts, group_ids, sampler, args.steps, args.guidance, seed=it)
-    x0_hat, nfe_est = None, 0
-    with phase(rec, "estimate", device):
-        if stepwise:
-            x0_hat, nfe_est = do_estimates(policy, traj, args.substeps, args.guidance, args.estimate_chunk)
-    with phase(rec, "reward", device):
-        rewards = do_rewards(policy, reward, traj, x0_hat, stepwise, args.decode_chunk)
-    with phase(rec, "credit", device):
-        adv = do_credit(scheme, rewards, group_ids)
-    with phase(rec, "update", device):
-        upd = do_update(policy, args._opt, traj, adv, sampler, args.guidance, beta_kl=args.beta_kl,
-                        micro_batch=args.micro_batch, timestep_fraction=args.timestep_fraction)
-    rec["iteration_s"] = sum(rec[f"{p}_s"] for p in ("rollout", "estimate", "reward", "credit", "update"))
-    rec.update(nfe_rollout=nfe_roll, nfe_estimate=nfe_est, images_scored=int(torch.isfinite(rewards).sum()),
-               reward_final_mean=float(rewards[:, -1].mean()), adv_abs_mean=float(adv.abs().mean()), **upd)
-    finite = all(math.isfinite(float(v)) for k, v in upd.items())
-    rec["finite"] = bool(finite and torch.isfinite(traj.latents).all() and torch.isfinite(adv).all())
+    res = iteration(learner, it)
+    m = iteration_metrics(res, world=1)
+    rec: dict = {"scheme": learner.advantage.cfg.scheme, "iteration": it}
+    for p in ("rollout", "estimate", "reward", "advantage", "update"):
+        rec[f"{p}_s"] = m[f"time/{p}_s"]
+        if p in res.phases.peak_gib:
+            rec[f"{p}_peak_gib"] = res.phases.peak_gib[p]
+    rec["iteration_s"] = m["time/iteration_s"]
+    rec.update(nfe=m["cost/nfe"], nfe_rollout=m["cost/nfe_rollout"], nfe_estimate=m["cost/nfe_estimate"],
+               images_scored=m["cost/reward_images"], reward_final_mean=m["train/reward_final"],
+               **{k.removeprefix("train/"): v for k, v in m.items() if k in (
+                   "train/kl", "train/clip_frac", "train/grad_norm", "train/steps_trained", "train/samples_trained")})
+    rec["finite"] = all(math.isfinite(float(v)) for v in m.values()) and bool(torch.isfinite(res.rewards[:, -1]).all())
     return rec
 
 
@@ -349,15 +251,15 @@ def main(argv=None) -> int:
           f"built in {build_s:.1f} s" + (f", {model_gib:.1f} GiB allocated" if model_gib is not None else ""))
     print(f"run: T={args.steps} B={args.batch} ({args.batch // args.group_size} prompts x {args.group_size}) "
           f"{args.size}px sampler={args.sampler} cfg={args.guidance} T'={args.substeps} beta_kl={args.beta_kl}")
-    args._opt = torch.optim.AdamW(list(policy.lora_parameters()), lr=3e-4, betas=(0.9, 0.999), weight_decay=1e-4,
-                                  eps=1e-8)
+    opt = torch.optim.AdamW(list(policy.lora_parameters()), lr=3e-4, betas=(0.9, 0.999), weight_decay=1e-4, eps=1e-8)
     reward = StandInReward()
     results = []
-    cols = ["rollout", "estimate", "reward", "credit", "update", "iteration"]
+    cols = ["rollout", "estimate", "reward", "advantage", "update", "iteration"]
     print(f"{'scheme':8s} {'it':>2s} " + " ".join(f"{c + '_s':>11s}" for c in cols) + "  peak_GiB  finite")
     for scheme in [s.strip() for s in args.advantages.split(",") if s.strip()]:
+        learner = make_learner(policy, reward, scheme, args, opt)
         for it in range(args.iters):
-            rec = run_scheme(policy, reward, scheme, args, device, it)
+            rec = run_scheme(learner, it)
             results.append(rec)
             peak = max((v for k, v in rec.items() if k.endswith("_peak_gib")), default=float("nan"))
             print(f"{scheme:8s} {it:2d} " + " ".join(f"{rec[c + '_s']:11.3f}" for c in cols)

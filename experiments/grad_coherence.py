@@ -8,11 +8,8 @@ and for each credit scheme computes every step's LoRA gradient. Reports, per ste
 ρ̂ = mean_{i≠j} g_i·g_j / mean |g_i|² over the batches (``stepflow.coherence``; 0 = pure noise, 1 = every batch points
 the same way) and the mean gradient norm; writes ``coherence.json`` and ``coherence.png`` to ``--out``.
 
-Measured on the shipped shapes base model with the default recipe (8 batches x 4 prompts x 16, ddim_sde eta_s,
-T'=2; docs/coherence/): gain credit ρ̂ = 0.108 at step 0, 0.026 / 0.033 at steps 1-2, |ρ̂| <= 0.01 at steps 3-8;
-uniform credit <= 0.036 at every step. Gradient norms grow from 0.0002 (step 0) to 0.056 (step 8, σ = 0.09), so the
-sum over all steps is noise (ρ̂ = -0.002). Training only step 0 (the shapes model's ``train_steps``) raised held-out
-GenEval by +0.17 in 60 iterations; training every step by +0.004.
+What it measured on the shipped shapes base model (why ``conf/recipe/shapes.yaml`` trains only step 0) is in
+docs/results.md ("Why only step 0"), with the plot in docs/coherence/.
 """
 
 from __future__ import annotations
@@ -30,34 +27,32 @@ def measure(overrides: list[str], batches: int, schemes: list[str]) -> dict:
     from hydra.core.global_hydra import GlobalHydra
     from tqdm.auto import tqdm
 
+    from stepflow.advantage import AdvantageEstimator
+    from stepflow.algorithm import trainable_steps
     from stepflow.cli import CONF_DIR
     from stepflow.coherence import signal_fraction, step_gradients
-    from stepflow.credit import CreditAssigner
-    from stepflow.rollout import estimate_states, rollout, score_states
+    from stepflow.rollout import estimate_states, rollout, score
     from stepflow.train import build_module
 
     GlobalHydra.instance().clear()
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         cfg = compose(config_name="train", overrides=overrides)
     module = build_module(cfg, Path("/tmp/stepflow_coherence"))
-    module.csv = None
-    pol, lp = module.policy, module.loop
-    assigners = {s: CreditAssigner(dataclasses.replace(module.credit_cfg, scheme=s)) for s in schemes}
+    lr, lp = module.learner, module.loop
+    estimators = {s: AdvantageEstimator(dataclasses.replace(lr.advantage.cfg, scheme=s)) for s in schemes}
     grads: dict[str, list] = {s: [] for s in schemes}
     steps: list[int] = []
     t0 = time.perf_counter()
-    for i in tqdm(range(batches), desc="batches"):
-        plan = module.plan.plan(i)
-        with torch.no_grad():
-            cond = pol.encode(plan.prompts)
-        traj, _ = rollout(pol, cond, plan.prompts, plan.meta, plan.group_ids, module.sampler_cfg, lp.num_steps,
-                          lp.guidance, plan.latent_seeds, plan.sample_seeds)
-        x0, _ = estimate_states(pol, traj, lp.substeps, lp.guidance, lp.adaptive_substeps, lp.estimate_chunk)
-        rewards, _ = score_states(pol, module.reward, traj, x0, lp.decode_chunk)
-        steps = [k for k in range(lp.num_steps) if bool(traj.trainable[:, k].all())]
-        for s, ca in assigners.items():
-            adv = ca(rewards, plan.group_ids, lp.num_steps).advantages
-            grads[s].append(step_gradients(module, traj, adv, steps))
+    for i in tqdm(range(batches), desc="batches"):  # the training loop's phases, on independent batches
+        plan = lr.plan.plan(i)
+        traj = rollout(lr.policy, plan, lr.sampler, lp.num_steps, lr.guidance)
+        x0 = estimate_states(lr.policy, traj, lp.substeps, lr.guidance, lp.adaptive_substeps, lp.estimate_chunk)
+        rewards = score(lr.policy, lr.reward, traj, x0, lp.decode_chunk).rewards
+        every = dataclasses.replace(lr.train, train_steps=None, timestep_fraction=1.0)
+        steps = trainable_steps(traj, every)  # every stochastic step, whatever train.train_steps says
+        for s, est in estimators.items():
+            adv = est(rewards, plan.group_ids, lp.num_steps).advantages
+            grads[s].append(step_gradients(lr, traj, adv, steps))
     res = {"overrides": overrides, "batches": batches, "samples_per_batch": traj.batch_size, "steps": steps,
            "seconds": time.perf_counter() - t0, "schemes": {}}
     for s, gs in grads.items():

@@ -14,6 +14,17 @@ from typing import NoReturn
 CONF_DIR = Path(str(resources.files("stepflow").joinpath("conf")))
 
 
+def _register() -> None:
+    """Register the structured configs (``train_schema``) that ``conf/train.yaml`` composes; every composition of
+    the configs goes through this module (``CONF_DIR``), so importing it is enough."""
+    from stepflow.config import register_configs
+
+    register_configs()
+
+
+_register()
+
+
 class StepflowError(ValueError):
     """A user-facing configuration or input error, printed as one line."""
 
@@ -44,8 +55,8 @@ def check_group_overrides(argv: list[str], conf_dir: Path = CONF_DIR) -> None:
 
 
 def check_keys(argv: list[str], config_name: str, conf_dir: Path = CONF_DIR) -> None:
-    """Compose the config once with the command line's plain overrides and turn Hydra/OmegaConf errors about
-    unknown keys or bad values into one line."""
+    """Compose the config once with the command line's plain overrides, so that what the structured configs reject
+    (an unknown key, a value of the wrong type) is reported as one line instead of Hydra's multi-line message."""
     from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
 

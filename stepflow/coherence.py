@@ -5,7 +5,7 @@ For independent batches ``E[g_i·g_j] = |μ|²`` (i ≠ j) and ``E|g_i|² = |μ|
 gradients of independent batches estimates the signal fraction ``ρ = |μ|² / (|μ|² + E|n|²)`` (for comparable
 norms). ``ρ ≈ 0`` means a step's gradient is noise at this batch size; averaging ``B`` batches gives an SNR of
 ``B·ρ / (1 − ρ)``. ``experiments/grad_coherence.py`` measures it per denoising step and credit scheme, which is how
-the embedded world's ``train_steps`` were chosen (only step 0 is coherent there; see conf/model/shapes.yaml).
+the embedded world's ``train_steps`` were chosen (only step 0 is coherent there; conf/recipe/shapes.yaml).
 """
 
 from __future__ import annotations
@@ -51,26 +51,28 @@ def signal_fraction(g: Tensor) -> float:
     return float(cross / gram.diagonal().mean().clamp(min=1e-300))
 
 
-def step_gradients(module, traj, adv: Tensor, steps: Sequence[int]) -> Tensor:
+def step_gradients(learner, traj, adv: Tensor, steps: Sequence[int]) -> Tensor:
     """Flattened LoRA gradient of the GRPO loss of each step in ``steps`` over the whole batch: (len(steps), D).
 
-    ``module`` is a :class:`stepflow.grpo.GRPOModule` (its ``_loss_term`` defines the loss, β·KL included);
-    ``traj``/``adv`` come from one rollout and its credit assignment. The weights are not changed; gradients of
-    the LoRA parameters are left cleared.
+    The loss is the training loop's own (:func:`stepflow.algorithm.step_loss` of ``learner``, β·KL included);
+    ``traj``/``adv`` come from one rollout and its advantages. The weights are not changed; gradients of the LoRA
+    parameters are left cleared.
     """
-    params = list(module.policy.lora_parameters())
+    from stepflow.algorithm import step_loss
+
+    params = list(learner.policy.lora_parameters())
     rows = torch.arange(traj.batch_size)
-    times = traj.times.to(module.device)
+    times = traj.times.to(learner.policy.device)
     out = []
-    module.policy.train()
+    learner.policy.train()
     try:
         for k in steps:
             for p in params:
                 p.grad = None
-            module._loss_term(traj, adv, k, rows, times)["loss"].backward()
+            step_loss(learner, traj, adv, k, rows, times)["loss"].backward()
             out.append(torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).flatten() for p in params]))
     finally:
         for p in params:
             p.grad = None
-        module.policy.eval()
+        learner.policy.eval()
     return torch.stack(out)

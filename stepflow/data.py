@@ -3,7 +3,7 @@
 Every iteration draws ``P`` prompts and ``k`` samples of each (a *group*), ``B = P * k`` samples in all. The plan for
 an iteration is a pure function of ``(seed, iteration)``, so every rank computes the same global plan and takes its
 own contiguous slice: under DDP the copies of one prompt may sit on different ranks, and the group statistics are
-computed on the gathered rewards (see :class:`stepflow.grpo.GRPOModule`). Resuming is exact because the plan never
+computed on the gathered rewards (see :func:`stepflow.algorithm.iteration`). Resuming is exact because the plan never
 depends on a data-loader position.
 
 Prompt files:
@@ -74,15 +74,15 @@ class IterationPlan:
     """The global sample plan of one iteration (identical on every rank).
 
     prompts: B prompt strings; meta: B records; group_ids: (B,) long, one id per prompt group (0..P-1);
-    sample_seeds: (B,) long, a seed per sample for its initial noise and SDE noise (same_latent: the noise seed
-    of x_T is shared within a group, see :func:`noise_seeds`).
+    init_noise_seeds: (B,) long, the seed of each sample's initial noise x_T (shared within a group when
+    ``same_latent``); step_noise_seeds: (B,) long, the seed of each sample's SDE noise ε (one draw per step).
     """
 
     prompts: list[str]
     meta: list[dict[str, Any]]
     group_ids: torch.Tensor
-    sample_seeds: torch.Tensor
-    latent_seeds: torch.Tensor
+    step_noise_seeds: torch.Tensor
+    init_noise_seeds: torch.Tensor
 
     def __len__(self) -> int:
         return len(self.prompts)
@@ -94,8 +94,8 @@ class IterationPlan:
             raise ValueError(f"prompts_per_iter * group_size = {b} must be divisible by the number of processes ({world_size})")
         per = b // world_size
         sl = slice(rank * per, (rank + 1) * per)
-        return IterationPlan(self.prompts[sl], self.meta[sl], self.group_ids[sl], self.sample_seeds[sl],
-                             self.latent_seeds[sl])
+        return IterationPlan(self.prompts[sl], self.meta[sl], self.group_ids[sl], self.step_noise_seeds[sl],
+                             self.init_noise_seeds[sl])
 
 
 def balance_records(records: list[dict[str, Any]], key: str, field: str = "data.balance_by") -> list[dict[str, Any]]:
@@ -152,9 +152,9 @@ class GroupSampler:
         b = len(recs)
         group_ids = torch.arange(len(idx)).repeat_interleave(k)
         base = (self.seed * 1_000_003 + iteration) * 1_000_003
-        sample_seeds = torch.arange(b, dtype=torch.long) + base
-        latent_seeds = (group_ids + base + 10_000_019) if self.same_latent else sample_seeds + 7
-        return IterationPlan([r["prompt"] for r in recs], recs, group_ids, sample_seeds, latent_seeds)
+        step_seeds = torch.arange(b, dtype=torch.long) + base
+        init_seeds = (group_ids + base + 10_000_019) if self.same_latent else step_seeds + 7
+        return IterationPlan([r["prompt"] for r in recs], recs, group_ids, step_seeds, init_seeds)
 
 
 def seeded_normal(seeds: torch.Tensor, shape: tuple[int, ...], device: torch.device | str = "cpu") -> torch.Tensor:

@@ -1,7 +1,7 @@
 """``python -m stepflow.evaluate [model=shapes] [key=value ...]``: strict GenEval of a (LoRA-adapted) model.
 
 Samples every prompt of ``prompt_file`` (default: the embedded world's evaluation prompts) ``num_per_prompt`` times
-with the deterministic Euler ODE (``sampler.num_steps`` steps, CFG ``sampler.guidance``, initial noise from
+with the deterministic Euler ODE (``sampler.num_steps`` steps, CFG ``sampler.guidance`` (null = the model's ``eval_guidance``), initial noise from
 ``seed``), scores them with the strict shapes-GenEval judge, prints the per-category table and writes to its Hydra
 run dir: ``eval.json`` (``geneval`` + ``geneval_<category>``), ``samples.json`` (per-sample prompt, category and
 strict/partial scores, plus the settings) and one PNG grid per category (``samples_<category>.png``).
@@ -34,9 +34,8 @@ def load_policy(cfg: DictConfig):
     import hydra.utils
 
     from stepflow.evaluation import load_lora
-    from stepflow.train import model_kwargs
 
-    mcfg, _ = model_kwargs(cfg.model)
+    mcfg = OmegaConf.to_container(cfg.model, resolve=True)
     ckpt = cfg.get("ckpt_path")
     if ckpt:
         p = Path(str(ckpt)).expanduser()
@@ -120,7 +119,8 @@ def evaluate(cfg: DictConfig, out_dir: str | Path) -> dict[str, float]:
     records = load_records(cfg)
     policy = load_policy(cfg)
     t0 = time.perf_counter()
-    table, images, recs = evaluate_geneval(policy, records, num_steps=int(s.num_steps), guidance=float(s.guidance),
+    guidance = float(s.guidance if s.guidance is not None else getattr(policy, "eval_guidance", 1.0))
+    table, images, recs = evaluate_geneval(policy, records, num_steps=int(s.num_steps), guidance=guidance,
                                            seed=int(cfg.seed), num_per_prompt=int(cfg.num_per_prompt),
                                            max_prompts=cfg.get("max_prompts"), batch_size=int(cfg.batch_size))
     elapsed = time.perf_counter() - t0
@@ -132,7 +132,7 @@ def evaluate(cfg: DictConfig, out_dir: str | Path) -> dict[str, float]:
     (out / "samples.json").write_text(json.dumps({
         "settings": {"model": OmegaConf.to_container(cfg.model, resolve=True), "ckpt_path": cfg.get("ckpt_path"),
                      "lora_path": cfg.get("lora_path"), "prompt_file": cfg.get("prompt_file"),
-                     "num_steps": int(s.num_steps), "guidance": float(s.guidance), "seed": int(cfg.seed),
+                     "num_steps": int(s.num_steps), "guidance": guidance, "seed": int(cfg.seed),
                      "num_per_prompt": int(cfg.num_per_prompt), "num_samples": len(recs),
                      "sampling_and_scoring_s": round(elapsed, 2)},
         "samples": samples}, indent=1) + "\n")
@@ -140,7 +140,7 @@ def evaluate(cfg: DictConfig, out_dir: str | Path) -> dict[str, float]:
     if int(g.per_category) > 0:
         save_category_grids(images, recs, out, per_category=int(g.per_category), ncol=int(g.ncol),
                             scores=[float(j.strict) for j in results])
-    print(f"strict GenEval, {len(recs)} samples, {int(s.num_steps)} ODE steps, guidance {float(s.guidance):g}, "
+    print(f"strict GenEval, {len(recs)} samples, {int(s.num_steps)} ODE steps, guidance {guidance:g}, "
           f"seed {int(cfg.seed)}:")
     print(format_table(table))
     print(f"wrote {out / 'eval.json'}")

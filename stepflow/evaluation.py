@@ -80,31 +80,31 @@ def evaluate_geneval(policy: FlowPolicy, prompt_records: Sequence[dict[str, Any]
     Returns ``(table, images, records)``: ``table`` = ``{"geneval": overall, "geneval_<category>": ...}`` (strict
     accuracy), ``images`` (N, 3, H, W) in [0, 1] and the N sampled records (prompt order, repeats adjacent).
     """
+    from stepflow.rewards.shapes_geneval import geneval_table
+
     recs = expand_records(prompt_records, num_per_prompt, max_prompts)
     prompts = [r["prompt"] for r in recs]
     images = sample_ode(policy, prompts, num_steps=num_steps, guidance=guidance, seed=seed, batch_size=batch_size)
-    table = {k: float(v) for k, v in _geneval_table()(images, prompts).items()}
+    table = {k: float(v) for k, v in geneval_table(images, prompts).items()}
     return table, images, recs
 
 
-def _geneval_table():
-    """``stepflow.rewards.shapes_geneval.geneval_table`` (strict accuracy, overall + per category)."""
-    try:
-        from stepflow.rewards.shapes_geneval import geneval_table
-    except ImportError:  # pragma: no cover - before the reward module exists: the same judge, directly
-        geneval_table = _judge_table
-    return geneval_table
+@torch.no_grad()
+def evaluate_reward(policy: FlowPolicy, reward, records: Sequence[dict[str, Any]], num_steps: int = 10,
+                    guidance: float = 1.0, seed: int = 0, batch_size: int = 64
+                    ) -> tuple[dict[str, float], Tensor, list[str]]:
+    """The held-out evaluation of a training run: :func:`sample_ode` on the records' prompts, scored by ``reward``.
 
-
-def _judge_table(images: Tensor, prompts: Sequence[str]) -> dict[str, float]:
-    from stepflow.shapes import judge, parse_prompt
-
-    per: dict[str, list[float]] = defaultdict(list)
-    for img, p in zip(images, prompts):
-        per[parse_prompt(p).category].append(float(judge(img.permute(1, 2, 0).numpy(), p).strict))
-    table = {f"geneval_{c}": sum(v) / len(v) for c, v in per.items()}
-    table["geneval"] = sum(table.values()) / max(1, len(table))
-    return table
+    Returns ``({"eval/<reward>": mean score, "eval/geneval*": ...}, images, prompts)``; the GenEval-style table is
+    added when the reward has a ``geneval_table`` method (the embedded world's judge).
+    """
+    prompts = [r["prompt"] for r in records]
+    images = sample_ode(policy, prompts, num_steps=num_steps, guidance=guidance, seed=seed, batch_size=batch_size)
+    res = {f"eval/{reward.name}": reward(images, prompts, list(records)).scores.mean().item()}
+    table = getattr(reward, "geneval_table", None)
+    if table is not None:
+        res.update({f"eval/{k}": float(v) for k, v in table(images, prompts).items()})
+    return res, images, prompts
 
 
 def format_table(table: dict[str, float]) -> str:

@@ -1,4 +1,4 @@
-"""``python -m stepflow.train``: Hydra entry point of GRPO training (thin: build parts, fit).
+"""``python -m stepflow.train``: Hydra entry point of GRPO training (thin: build the parts, fit).
 
 Examples::
 
@@ -10,26 +10,27 @@ Examples::
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
+from typing import Any
 
 import torch
 from omegaconf import DictConfig, OmegaConf
 
 from stepflow.cli import StepflowError, entry_point
+from stepflow.config import DataConfig, EmaConfig, EvalConfig, LoopConfig, LoraConfig, TrainConfig, to_config
 
 
 def _container(node) -> dict:
     return {} if node is None else OmegaConf.to_container(node, resolve=True)
 
 
-def _instantiate(node: dict, field: str):
+def instantiate(node: Any, field: str, **kwargs: Any):
     """hydra.utils.instantiate, with the user-facing error of the target (one line) instead of Hydra's wrapper."""
     import hydra.utils
     from hydra.errors import InstantiationException
 
     try:
-        return hydra.utils.instantiate(node, _convert_="all")
+        return hydra.utils.instantiate(node, _convert_="all", **kwargs)
     except InstantiationException as e:
         cause = e.__cause__
         if isinstance(cause, (ValueError, FileNotFoundError, OSError)):
@@ -37,73 +38,36 @@ def _instantiate(node: dict, field: str):
         raise StepflowError(f"{field}: {' '.join(str(e).split())[:300]}") from None
 
 
-#: keys of a model config that are not constructor arguments: its name, its own LoRA block, and training preferences
-#: that other config groups read (conf/sampler/ddim_sde.yaml reads ``ddim_schedule``, conf/train.yaml ``train_steps``)
-MODEL_META_KEYS = ("name", "lora", "ddim_schedule", "train_steps")
-
-
-def model_kwargs(node) -> tuple[dict, dict | None]:
-    """A model config node as instantiate kwargs (``_target_`` kept, :data:`MODEL_META_KEYS` removed) and its own
-    ``lora`` block (None when it has none)."""
-    mcfg = _container(node)
-    lora = mcfg.get("lora")
-    for k in MODEL_META_KEYS:
-        mcfg.pop(k, None)
-    return mcfg, lora
-
-
 def build_policy(cfg: DictConfig):
-    """Instantiate the model config (``_target_`` + kwargs) and add the LoRA adapter of ``cfg.lora``."""
-    mcfg, lora = model_kwargs(cfg.model)
-    lora = lora or _container(cfg.get("lora"))
-    policy = _instantiate(mcfg, "model")
-    if lora and lora.get("rank", 0) > 0:
-        policy.add_lora(rank=int(lora["rank"]), alpha=float(lora.get("alpha", lora["rank"])),
-                        targets=tuple(lora.get("targets") or ()), init=lora.get("init", "gaussian"))
+    """Instantiate the model config (``_target_`` + constructor arguments) and add the LoRA adapter of ``cfg.lora``."""
+    policy = instantiate(_container(cfg.model), "model")
+    lora = to_config(cfg.lora, LoraConfig, "lora")
+    policy.add_lora(rank=lora.rank, alpha=float(lora.alpha), targets=tuple(lora.targets), init=lora.init)
     return policy
 
 
 def build_reward(cfg: DictConfig):
+    from stepflow.rewards.registry import build_reward as _build
 
-    rcfg = _container(cfg.reward)
-    try:
-        from stepflow.rewards.registry import build_reward as _build  # real-reward registry, when present
-
-        return _build(rcfg)
-    except ImportError:
-        return _instantiate(rcfg, "reward")
+    return _build(_container(cfg.reward))
 
 
-def _make(cls, node, prefix: str):
-    """Build a config dataclass from a config node; errors name the full field (``sampler.eta: ...``)."""
-    from stepflow.grpo import _check_fields
-
-    values = _check_fields(cls, _container(node), prefix)
-    try:
-        return cls(**values)
-    except (TypeError, ValueError) as e:
-        msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise StepflowError(msg if msg.startswith(prefix + ".") else f"{prefix}.{msg}") from None
-
-
-def check_train_steps(optim, sampler, num_steps: int) -> None:
+def check_train_steps(train: TrainConfig, sampler, num_steps: int) -> None:
     """One-line errors for ``train.train_steps`` that would train nothing: an index outside ``0..T−1``, or (for a
     stochastic sampler) only steps whose noise std is 0 on the grid, e.g. step 0 under the paper's DDIM schedule.
 
     Which steps are deterministic does not depend on the grid's shift (σ = 0 only where t = 1 or s = 0, the grid's
     ends), so a shift-1 grid stands in for the model's.
     """
-    from stepflow.sde import step_std, time_grid
+    from stepflow.sampler import step_std, time_grid
 
-    steps = optim.train_steps
+    steps = train.train_steps
     if steps is None:
         return
-    bad = [k for k in steps if not isinstance(k, int) or not 0 <= k < num_steps]
+    bad = [k for k in steps if not 0 <= k < num_steps]
     if bad:
         raise StepflowError(f"train.train_steps: step {bad[0]!r} is outside 0..{num_steps - 1} (loop.num_steps="
                             f"{num_steps}); use step indices or train.train_steps=null for every stochastic step")
-    if not steps:
-        raise StepflowError("train.train_steps: empty list trains nothing; use null for every stochastic step")
     if sampler.name == "ode":
         return  # the ODE has no density at all (distill trains its own way); nothing to check
     grid = time_grid(num_steps, shift=1.0)
@@ -115,63 +79,51 @@ def check_train_steps(optim, sampler, num_steps: int) -> None:
 
 
 def build_module(cfg: DictConfig, run_dir: Path):
-    """Everything but the Trainer: policy (+LoRA), reward, credit, sampler, group sampler, eval prompts."""
-    from stepflow.credit import CreditConfig
+    """Everything but the Trainer: policy (+LoRA), reward, advantage, sampler, group sampler, eval prompts."""
+    from stepflow.advantage import AdvantageConfig
     from stepflow.data import GroupSampler, load_prompt_file
-    from stepflow.grpo import EmaConfig, EvalConfig, GRPOModule, LoopConfig, OptimConfig, rollout_sampler
-    from stepflow.sde import SamplerConfig
+    from stepflow.grpo import GRPOModule
+    from stepflow.sampler import SamplerConfig
 
-    loop = _make(LoopConfig, cfg.loop, "loop")
-    optim = _make(OptimConfig, cfg.train, "train")
-    eval_cfg = _make(EvalConfig, cfg.eval, "eval")
-    ema = _make(EmaConfig, cfg.ema, "ema")
-    sampler = _make(SamplerConfig, cfg.sampler, "sampler")
-    credit = _make(CreditConfig, cfg.advantage, "advantage")
-    if loop.num_steps < 2:
-        raise StepflowError(f"loop.num_steps: must be >= 2, got {loop.num_steps}")
-    if loop.substeps < 1:
-        raise StepflowError(f"loop.substeps: must be >= 1, got {loop.substeps}")
-    check_train_steps(optim, rollout_sampler(sampler, credit), loop.num_steps)
-    train_records = load_prompt_file(cfg.data.train_file, "data.train_file")
-    eval_records = load_prompt_file(cfg.data.eval_file, "data.eval_file")
+    loop = to_config(cfg.loop, LoopConfig, "loop")
+    train = to_config(cfg.train, TrainConfig, "train")
+    eval_cfg = to_config(cfg.eval, EvalConfig, "eval")
+    ema = to_config(cfg.ema, EmaConfig, "ema")
+    data = to_config(cfg.data, DataConfig, "data")
+    sampler = to_config(cfg.sampler, SamplerConfig, "sampler")
+    advantage = to_config(cfg.advantage, AdvantageConfig, "advantage")
+    if advantage.rollout_sampler is not None:  # the scheme's own rollout sampler (distill: ode), stated in its config
+        sampler = SamplerConfig(name=advantage.rollout_sampler)
+    same_latent = loop.same_latent if advantage.same_latent is None else advantage.same_latent
+    check_train_steps(train, sampler, loop.num_steps)
+    train_records = load_prompt_file(data.train_file, "data.train_file")
+    eval_records = load_prompt_file(data.eval_file, "data.eval_file")
     plan = GroupSampler(train_records, loop.prompts_per_iter, loop.group_size, seed=loop.seed,
-                        same_latent=loop.same_latent, balance_by=cfg.data.get("balance_by"))
+                        same_latent=same_latent, balance_by=data.balance_by)
     torch.manual_seed(loop.seed)
     policy = build_policy(cfg)
     reward = build_reward(cfg)
-    return GRPOModule(policy, reward, sampler, credit, plan, eval_records, loop, optim, eval_cfg, ema, run_dir,
-                      write_csv=bool(cfg.logger.get("csv", True)))
+    return GRPOModule(policy, reward, sampler, advantage, plan, eval_records, loop, train, eval_cfg, ema, run_dir)
 
 
 def build_trainer(cfg: DictConfig, run_dir: Path):
-    import lightning as L
+    """The Lightning Trainer of ``cfg.trainer`` with the loggers of ``cfg.logger`` and the callbacks of
+    ``cfg.callbacks`` (each a ``_target_`` node; their output goes to ``run_dir``), and what the GRPO loop fixes:
+    one epoch per iteration, manual optimization, no validation loop, atomic checkpoint writes."""
+    from stepflow.checkpoint import AtomicCheckpointIO
 
-    from stepflow.checkpoint import AtomicCheckpointIO, checkpoint_callback
-
-    t = _container(cfg.trainer)
-    loggers = []
-    lg = cfg.logger
-    if lg.get("tensorboard"):
-        from lightning.pytorch.loggers import TensorBoardLogger
-
-        loggers.append(TensorBoardLogger(save_dir=str(run_dir), name="tensorboard", version=""))
-    if lg.get("wandb"):
-        from lightning.pytorch.loggers import WandbLogger
-
-        offline = not os.environ.get("WANDB_API_KEY") or os.environ.get("WANDB_MODE") == "offline"
-        loggers.append(WandbLogger(project=lg.get("project", "stepflow"), save_dir=str(run_dir), offline=offline))
-    return L.Trainer(
-        accelerator=t.get("accelerator", "cpu"), devices=t.get("devices", 1), strategy=t.get("strategy", "auto"),
-        num_nodes=t.get("num_nodes", 1), precision=t.get("precision", "32-true"), max_epochs=-1,
-        logger=loggers or False, callbacks=[checkpoint_callback(run_dir / "checkpoints")],
-        plugins=[AtomicCheckpointIO()], enable_progress_bar=False, enable_model_summary=False,
-        num_sanity_val_steps=0, limit_val_batches=0, use_distributed_sampler=False, log_every_n_steps=1,
-        default_root_dir=str(run_dir), deterministic=False,
-    )
+    loggers = [instantiate(node, f"logger.{name}", save_dir=str(run_dir))
+               for name, node in _container(cfg.logger).items() if node]
+    callbacks = [instantiate(node, f"callbacks.{name}", dirpath=str(run_dir / "checkpoints"))
+                 for name, node in _container(cfg.callbacks).items() if node]
+    return instantiate(_container(cfg.trainer), "trainer", max_epochs=-1, logger=loggers or False,
+                       callbacks=callbacks, plugins=[AtomicCheckpointIO()], enable_progress_bar=False,
+                       enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,
+                       use_distributed_sampler=False, log_every_n_steps=1, default_root_dir=str(run_dir))
 
 
-def run(cfg: DictConfig, run_dir: Path) -> "GRPOModule":  # noqa: F821
-    """Build and fit; returns the trained module."""
+def run(cfg: DictConfig, run_dir: Path):
+    """Build and fit; returns the trained :class:`~stepflow.grpo.GRPOModule`."""
     from torch.utils.data import DataLoader
 
     ckpt = cfg.get("ckpt_path")
@@ -181,9 +133,8 @@ def run(cfg: DictConfig, run_dir: Path) -> "GRPOModule":  # noqa: F821
             raise StepflowError(f"ckpt_path: checkpoint not found: {ckpt} (point it at <run dir>/checkpoints/last.ckpt)")
     run_dir.mkdir(parents=True, exist_ok=True)
     OmegaConf.save(cfg, run_dir / "config.yaml", resolve=True)
-    threads = cfg.get("torch_threads") or cfg.trainer.get("torch_threads")
-    if threads:  # oversubscribed OpenMP threads on a shared CPU are ~10x slower than one thread each
-        torch.set_num_threads(int(threads))
+    if cfg.get("torch_threads"):  # oversubscribed OpenMP threads on a shared CPU are ~10x slower than one thread each
+        torch.set_num_threads(int(cfg.torch_threads))
     module = build_module(cfg, run_dir)
     trainer = build_trainer(cfg, run_dir)
     ticks = DataLoader(list(range(1)), batch_size=None)  # one "batch" per epoch = one GRPO iteration

@@ -15,8 +15,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from hydra import compose, initialize_config_dir
-from hydra.core.global_hydra import GlobalHydra
+from conftest import compose_config
 from omegaconf import OmegaConf
 
 from stepflow.cli import CONF_DIR
@@ -30,12 +29,7 @@ EXPERIMENTS = sorted(p.stem for p in (CONF_DIR / "experiment").glob("*.yaml"))
 
 
 def _compose(overrides, hydra_cfg=False):
-    GlobalHydra.instance().clear()
-    try:
-        with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-            return compose(config_name="train", overrides=list(overrides), return_hydra_config=hydra_cfg)
-    finally:
-        GlobalHydra.instance().clear()
+    return compose_config("train", overrides, return_hydra_config=hydra_cfg)
 
 
 # ---------------------------------------------------------------------------------------------------- configs
@@ -119,14 +113,8 @@ def test_step0_suite_plans_the_default_recipe(tmp_path):
     default = ablations.planned_config("mini_step0", ["advantage=gain", "sampler=ddim_sde", "seed=0"])
     assert default["train"]["train_steps"] == [0] and default["loop"]["prompts_per_iter"] == 4
     assert default["sampler"]["schedule"] == "eta_s" and default["loop"]["iterations"] == 60
-    from hydra import compose, initialize_config_dir
-    from hydra.core.global_hydra import GlobalHydra
-
-    GlobalHydra.instance().clear()
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        plain = OmegaConf.to_container(compose("train"), resolve=True)  # python -m stepflow.train, no arguments
-    GlobalHydra.instance().clear()
-    default.pop("experiment_name")
+    plain = OmegaConf.to_container(compose_config("train"), resolve=True)  # python -m stepflow.train, no arguments
+    default.pop("experiment_name"), plain.pop("experiment_name")  # set by experiment files only
     default.pop("experiment", None), plain.pop("experiment", None)
     assert default == plain
 

@@ -7,10 +7,8 @@ import math
 
 import pytest
 import torch
-from hydra import compose, initialize_config_dir
-from hydra.core.global_hydra import GlobalHydra
+from conftest import compose_config
 
-from stepflow.cli import CONF_DIR
 from stepflow.coherence import mean_pairwise_cosine, signal_fraction, step_gradients
 
 
@@ -49,25 +47,17 @@ def test_step_gradients_are_the_loss_gradients_and_leave_weights_alone(tmp_path)
     from stepflow.rollout import rollout
     from stepflow.train import build_module
 
-    GlobalHydra.instance().clear()
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        cfg = compose(config_name="train", overrides=["experiment=smoke"])
-    GlobalHydra.instance().clear()
-    module = build_module(cfg, tmp_path)
-    module.csv = None
-    pol, lp = module.policy, module.loop
-    plan = module.plan.plan(0)
-    with torch.no_grad():
-        cond = pol.encode(plan.prompts)
-    traj, _ = rollout(pol, cond, plan.prompts, plan.meta, plan.group_ids, module.sampler_cfg, lp.num_steps, 1.0,
-                      plan.latent_seeds, plan.sample_seeds)
+    module = build_module(compose_config("train", ["experiment=smoke"]), tmp_path)
+    lr, pol, lp = module.learner, module.policy, module.loop
+    plan = lr.plan.plan(0)
+    traj = rollout(pol, plan, lr.sampler, lp.num_steps, 1.0)
     # any advantages (B, T) do: both signs, every step
     adv = torch.randn((traj.batch_size, lp.num_steps), generator=torch.Generator().manual_seed(0))
     steps = [k for k in range(lp.num_steps) if bool(traj.trainable[:, k].all())]
     before = [p.detach().clone() for p in pol.lora_parameters()]
-    g1 = step_gradients(module, traj, adv, steps)
-    g2 = step_gradients(module, traj, 2 * adv, steps)
-    g0 = step_gradients(module, traj, torch.zeros_like(adv), steps)
+    g1 = step_gradients(lr, traj, adv, steps)
+    g2 = step_gradients(lr, traj, 2 * adv, steps)
+    g0 = step_gradients(lr, traj, torch.zeros_like(adv), steps)
     assert g1.shape == (len(steps), sum(p.numel() for p in pol.lora_parameters()))
     assert bool((g1.norm(dim=1) > 0).all())
     torch.testing.assert_close(g2, 2 * g1, rtol=1e-4, atol=1e-9)
@@ -75,13 +65,13 @@ def test_step_gradients_are_the_loss_gradients_and_leave_weights_alone(tmp_path)
     for b, p in zip(before, pol.lora_parameters()):
         assert torch.equal(b, p.detach()) and p.grad is None
     # independent reference: on-policy (ratio 1) the GRPO gradient of step k is -mean_i A_ik grad log pi(x_k+1 | x_k)
-    from stepflow.sde import sde_step
+    from stepflow.sampler import sde_step
 
     k = steps[0]
     params = list(pol.lora_parameters())
     pol.train()
     v = pol.velocity(traj.latents[:, k], traj.times[k], traj.cond, 1.0)
-    out = sde_step(module.sampler_cfg, traj.latents[:, k], v, traj.times[k], traj.times[k + 1],
+    out = sde_step(lr.sampler, traj.latents[:, k], v, traj.times[k], traj.times[k + 1],
                    t_guard=traj.times[1], prev_sample=traj.latents[:, k + 1])
     ref = torch.autograd.grad(-(adv[:, k] * out.log_prob).mean(), params, allow_unused=True)
     ref = torch.cat([(r if r is not None else torch.zeros_like(p)).flatten() for r, p in zip(ref, params)])

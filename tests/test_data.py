@@ -18,7 +18,7 @@ def test_plan_is_a_pure_function_of_seed_and_iteration():
     recs = _records({"a": 7, "b": 5})
     s1, s2 = GroupSampler(recs, 3, 4, seed=5), GroupSampler(recs, 3, 4, seed=5)
     assert s1.plan(9).prompts == s2.plan(9).prompts
-    assert s1.plan(9).sample_seeds.tolist() == s2.plan(9).sample_seeds.tolist()
+    assert s1.plan(9).step_noise_seeds.tolist() == s2.plan(9).step_noise_seeds.tolist()
     assert s1.plan(9).prompts != GroupSampler(recs, 3, 4, seed=6).plan(9).prompts or s1.plan(8).prompts != s1.plan(9).prompts
 
 
@@ -62,4 +62,4 @@ def test_shards_partition_the_global_plan():
     plan = GroupSampler(recs, 4, 4, seed=1).plan(3)
     parts = [plan.shard(r, 2) for r in range(2)]
     assert parts[0].prompts + parts[1].prompts == plan.prompts
-    assert parts[0].sample_seeds.tolist() + parts[1].sample_seeds.tolist() == plan.sample_seeds.tolist()
+    assert parts[0].step_noise_seeds.tolist() + parts[1].step_noise_seeds.tolist() == plan.step_noise_seeds.tolist()

@@ -4,8 +4,8 @@ import json
 
 import pytest
 import torch
+from conftest import compose_config
 
-from stepflow.cli import CONF_DIR
 from stepflow.evaluation import balanced_subset, load_lora, read_lora, sample_ode, save_grid
 from stepflow.policies.shapes import ShapesPolicy
 
@@ -71,10 +71,7 @@ def test_save_grid(tmp_path):
 
 
 def _compose(overrides):
-    from hydra import compose, initialize_config_dir
-
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        return compose(config_name="evaluate", overrides=overrides)
+    return compose_config("evaluate", overrides)
 
 
 def test_evaluate_cli_writes_table_and_grids(tiny_dir, tmp_path):

@@ -4,8 +4,8 @@ import json
 
 import pytest
 import torch
+from conftest import compose_config
 
-from stepflow.cli import CONF_DIR
 from stepflow.pretrain import ShapesStream, flow_matching_loss, sample_t, select_checkpoint
 
 
@@ -48,8 +48,6 @@ def test_select_checkpoint():
 
 
 def test_one_pretraining_run_writes_checkpoints(tmp_path):
-    from hydra import compose, initialize_config_dir
-
     from stepflow.policies.shapes import ShapesPolicy
     from stepflow.pretrain import run
 
@@ -61,8 +59,7 @@ def test_one_pretraining_run_writes_checkpoints(tmp_path):
         "select.low=0.0", "select.high=1.0", "select.min_category=-1", "select.rescore_top_k=1",
         "select.rescore_max_prompts=6", "optim.warmup_steps=1",
     ]
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        cfg = compose(config_name="pretrain", overrides=overrides)
+    cfg = compose_config("pretrain", overrides)
     summary = run(cfg)
     assert summary["steps"] == 2
     assert (tmp_path / "checkpoints" / "last.ckpt").is_file()
@@ -77,9 +74,8 @@ def test_one_pretraining_run_writes_checkpoints(tmp_path):
     assert len(list((tmp_path / "grids").glob("*.png"))) == 2
 
     # resume from the Lightning checkpoint for one more step (fresh data, same run dir, whole history kept)
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        cfg = compose(config_name="pretrain", overrides=[o for o in overrides if not o.startswith("trainer.max_steps")]
-                      + ["trainer.max_steps=3", f"resume={tmp_path / 'checkpoints' / 'last.ckpt'}"])
+    cfg = compose_config("pretrain", [o for o in overrides if not o.startswith("trainer.max_steps")]
+                         + ["trainer.max_steps=3", f"resume={tmp_path / 'checkpoints' / 'last.ckpt'}"])
     summary = run(cfg)
     assert summary["steps"] == 3
     assert [r["step"] for r in summary["history"] if "step" in r][-1] == 3

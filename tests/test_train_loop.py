@@ -3,25 +3,16 @@
 from __future__ import annotations
 
 import csv
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from hydra import compose, initialize_config_dir
-from hydra.core.global_hydra import GlobalHydra
-
-from stepflow.cli import CONF_DIR
-
-ROOT = Path(__file__).resolve().parent.parent
+from conftest import compose_config, run_cli
 
 
 def make_cfg(*overrides: str):
-    GlobalHydra.instance().clear()
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        return compose(config_name="train", overrides=["experiment=smoke", *overrides])
+    return compose_config("train", ["experiment=smoke", *overrides])
 
 
 def fit(tmp_path: Path, *overrides: str):
@@ -121,9 +112,7 @@ def test_kill_and_resume_matches_uninterrupted(tmp_path):
 
 
 def _cli(*args: str, timeout: int = 240) -> subprocess.CompletedProcess:
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "WANDB_MODE": "offline", "PYTHONPATH": str(ROOT)}
-    return subprocess.run([sys.executable, "-m", "stepflow.train", *args], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=timeout)
+    return run_cli("stepflow.train", *args, timeout=timeout)
 
 
 @pytest.mark.parametrize("args,needle", [
@@ -214,29 +203,23 @@ def test_reward_service_failure_stops_cleanly_and_resumes(tmp_path):
         server.shutdown()
 
 
-def test_ddim_schedule_default_follows_the_model():
-    """conf/sampler/ddim_sde.yaml reads model.ddim_schedule (shapes: eta_s), the paper's schedule otherwise, and an
-    explicit sampler.schedule override always wins."""
-    GlobalHydra.instance().clear()
-    with initialize_config_dir(str(CONF_DIR), version_base=None):
-        assert compose("train").sampler.schedule == "eta_s"
-        assert compose("train", overrides=["model=sd3_tiny"]).sampler.schedule == "eta_s_sqrt1mt"
-        assert compose("train", overrides=["sampler.schedule=eta_t_sqrt1mt"]).sampler.schedule == "eta_t_sqrt1mt"
-        assert compose("train", overrides=["experiment=mini_fig6_sde", "sampler=ddim_sde"]).sampler.schedule == "eta_s_sqrt1mt"
-    GlobalHydra.instance().clear()
+def test_ddim_schedule_default_follows_the_recipe():
+    """recipe/shapes.yaml (composed for model=shapes) picks the eta_s DDIM schedule; other models keep the paper's,
+    the miniature suite pins its own, and an explicit sampler.schedule override always wins."""
+    assert compose_config("train").sampler.schedule == "eta_s"
+    assert compose_config("train", ["model=sd3_tiny"]).sampler.schedule == "eta_s_sqrt1mt"
+    assert compose_config("train", ["sampler.schedule=eta_t_sqrt1mt"]).sampler.schedule == "eta_t_sqrt1mt"
+    assert compose_config("train", ["experiment=mini_fig6_sde", "sampler=ddim_sde"]).sampler.schedule == "eta_s_sqrt1mt"
 
 
-def test_train_steps_default_follows_the_model():
-    """conf/train.yaml reads model.train_steps (shapes: [0]); other models and the miniature suite train every
-    stochastic step; an explicit override wins."""
-    GlobalHydra.instance().clear()
-    with initialize_config_dir(str(CONF_DIR), version_base=None):
-        assert list(compose("train").train.train_steps) == [0]
-        assert compose("train", overrides=["model=sd3_tiny"]).train.train_steps is None
-        assert compose("train", overrides=["model=shapes_tiny"]).train.train_steps is None
-        assert compose("train", overrides=["experiment=mini_fig7_credit"]).train.train_steps is None
-        assert list(compose("train", overrides=["train.train_steps=[1,2]"]).train.train_steps) == [1, 2]
-    GlobalHydra.instance().clear()
+def test_train_steps_default_follows_the_recipe():
+    """recipe/shapes.yaml trains step 0; other models and the miniature suite train every stochastic step; an
+    explicit override wins."""
+    assert list(compose_config("train").train.train_steps) == [0]
+    assert compose_config("train", ["model=sd3_tiny"]).train.train_steps is None
+    assert compose_config("train", ["model=shapes_tiny"]).train.train_steps is None
+    assert compose_config("train", ["experiment=mini_fig7_credit"]).train.train_steps is None
+    assert list(compose_config("train", ["train.train_steps=[1,2]"]).train.train_steps) == [1, 2]
 
 
 def test_explicit_train_steps_train_only_those_steps(tmp_path):

@@ -5,7 +5,7 @@ Conventions (all policies):
 - time ``t`` is in [0, 1]; ``t = 1`` is pure noise, ``t = 0`` is data (rectified flow ``x_t = (1-t) x0 + t x1``);
 - ``velocity`` predicts ``v = dx/dt = x1 - x0`` (method.md §1), so an Euler step towards data is ``x - dt * v``;
 - latents are ``(B, C, H, W)``; ``decode`` maps them to images ``(B, 3, H', W')`` in [0, 1];
-- the SDE math is done by the caller in fp32 (``stepflow.sde``); ``velocity`` returns fp32.
+- the SDE math is done by the caller in fp32 (``stepflow.sampler``); ``velocity`` returns fp32.
 
 A policy built on diffusers' ``SD3Transformer2DModel`` subclasses :class:`FlowPolicy`, sets ``self.transformer``
 and implements ``encode``/``decode``/``_transformer_inputs``; LoRA, the reference (adapter disabled) context, CFG
@@ -83,6 +83,9 @@ class FlowPolicy(nn.Module):
     shift: float = 3.0
     #: timestep scale the transformer expects (diffusers SD3: t * 1000)
     timestep_scale: float = 1000.0
+    #: sample-level transformer evaluations so far (CFG counts twice): the one NFE counter, read by
+    #: ``stepflow.algorithm.Phases``
+    nfe: int = 0
 
     # ------------------------------------------------------------------ to implement
     def encode(self, prompts: Sequence[str]) -> Cond:  # pragma: no cover - interface
@@ -110,7 +113,7 @@ class FlowPolicy(nn.Module):
 
     def time_grid(self, num_steps: int) -> Tensor:
         """The sampling grid (num_steps + 1,), from 1 to 0 (method.md §1)."""
-        from stepflow.sde import time_grid
+        from stepflow.sampler import time_grid
 
         return time_grid(num_steps, shift=self.shift)
 
@@ -137,6 +140,7 @@ class FlowPolicy(nn.Module):
         t = torch.as_tensor(t, dtype=torch.float32, device=x.device)
         if t.ndim == 0:
             t = t.expand(b)
+        self.nfe += b if guidance == 1.0 else 2 * b
         if guidance == 1.0:
             return self._forward(x, t, cond)
         neg = self.negative_cond(b).to(x.device)

@@ -1,4 +1,4 @@
-"""stepflow.sde against independent references: diffusers' scheduler, method.md's printed numbers, closed-form
+"""stepflow.sampler against independent references: diffusers' scheduler, method.md's printed numbers, closed-form
 formulas re-derived here in plain python/numpy (the x̂0/x̂1 forms of method.md, not the code's forms),
 torch.distributions, and Monte-Carlo sampling of Gaussian data with the exact velocity field."""
 
@@ -12,7 +12,7 @@ import torch
 from diffusers import FlowMatchEulerDiscreteScheduler
 from torch.distributions import Normal
 
-from stepflow.sde import (
+from stepflow.sampler import (
     SamplerConfig,
     cps_step,
     ddim_sde_step,
@@ -36,7 +36,7 @@ STOCHASTIC = [
     SamplerConfig("ddim_sde", eta=0.9, schedule="eta_s_sqrt1mt", first_step_guard=True),
     SamplerConfig("ddim_sde", eta=0.9, schedule="eta_s"),
     SamplerConfig("ddim_sde", eta=0.9, schedule="eta_t_sqrt1mt", first_step_guard=True),
-    SamplerConfig("cps", eta=0.9),
+    SamplerConfig("cps", eta=0.9, logprob="gaussian"),  # the Gaussian density of the CPS step (tests compare it)
 ]
 
 
@@ -240,11 +240,12 @@ def test_log_prob_matches_torch_normal(cfg):
 
 def test_cps_constfree_log_prob():
     x, v, t, s, g = _random_batch()
-    cfg = SamplerConfig("cps", logprob="cps_constfree")
+    cfg = SamplerConfig("cps")  # FlowCPS's constant-free log-prob is the cps sampler's default (as conf/sampler/cps.yaml)
+    assert cfg.logprob == "cps_constfree"
     out = sde_step(cfg, x, v, t, s)
     ref = -((out.next - out.mean) ** 2).mean(dim=(1, 2, 3))
     torch.testing.assert_close(out.log_prob, ref)
-    gauss = sde_step(SamplerConfig("cps"), x, v, t, s, prev_sample=out.next)
+    gauss = sde_step(SamplerConfig("cps", logprob="gaussian"), x, v, t, s, prev_sample=out.next)
     assert not torch.allclose(gauss.log_prob, out.log_prob)  # a different convention, not a relabelling
 
 

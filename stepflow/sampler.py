@@ -28,6 +28,7 @@ __all__ = [
     "SAMPLERS",
     "DDIM_SCHEDULES",
     "LOGPROBS",
+    "DEFAULT_LOGPROB",
     "sde_step",
     "step_std",
     "flow_sde_step",
@@ -40,6 +41,8 @@ __all__ = [
 SAMPLERS = ("flow_sde", "ddim_sde", "cps", "ode")
 DDIM_SCHEDULES = ("eta_s_sqrt1mt", "eta_s", "eta_t_sqrt1mt")
 LOGPROBS = ("gaussian", "cps_constfree")
+#: each sampler's log-prob convention when ``SamplerConfig.logprob`` is None (FlowCPS uses the constant-free one)
+DEFAULT_LOGPROB = {"flow_sde": "gaussian", "ddim_sde": "gaussian", "cps": "cps_constfree", "ode": "gaussian"}
 _HALF_LOG_2PI = 0.5 * math.log(2.0 * math.pi)
 
 
@@ -104,7 +107,9 @@ class SamplerConfig:
     schedule: DDIM noise schedule: ``eta_s_sqrt1mt`` σ = η s √(1−t) (default) | ``eta_s`` σ = η s (B.2-a) |
               ``eta_t_sqrt1mt`` σ = η t √(1−t) (x̂1 coefficient clamped with sqrt(max(·, 0))).
     first_step_guard: DDIM only; inside √(1−t) replace t = 1 by ``t_guard`` (= τ_1) so step 0 is stochastic.
-    logprob:  ``gaussian`` (mean-over-dims Gaussian log-density) | ``cps_constfree`` (−mean_dims (x_s − μ)²).
+    logprob:  ``gaussian`` (mean-over-dims Gaussian log-density) | ``cps_constfree`` (−mean_dims (x_s − μ)²);
+              ``None`` = the sampler's own convention (:data:`DEFAULT_LOGPROB`: FlowCPS's constant-free one for
+              ``cps``, the Gaussian for the others), so Python and YAML defaults agree.
     """
 
     name: str = "ddim_sde"
@@ -112,11 +117,13 @@ class SamplerConfig:
     eta: float = 0.9
     schedule: str = "eta_s_sqrt1mt"
     first_step_guard: bool = False
-    logprob: str = "gaussian"
+    logprob: str | None = None
 
     def __post_init__(self) -> None:
         if self.name not in SAMPLERS:
             raise ValueError(f"name: must be one of {SAMPLERS}, got {self.name!r}")
+        if self.logprob is None:
+            self.logprob = DEFAULT_LOGPROB[self.name]
         if self.schedule not in DDIM_SCHEDULES:
             raise ValueError(f"schedule: must be one of {DDIM_SCHEDULES}, got {self.schedule!r}")
         if self.logprob not in LOGPROBS:

@@ -1,4 +1,4 @@
-"""stepflow.credit (method.md §5, §6) against hand-computed numbers, explicit sums and a numpy re-implementation of
+"""stepflow.advantage (method.md §5, §6) against hand-computed numbers, explicit sums and a numpy re-implementation of
 Flow-GRPO's PerPromptStatTracker (flow_grpo/stat_tracking.py: np.mean / np.std (ddof 0) per prompt, + 1e-4)."""
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 import torch
 
-from stepflow.credit import (
-    CreditAssigner,
-    CreditConfig,
+from stepflow.advantage import (
+    AdvantageConfig,
+    AdvantageEstimator,
     EmaBaseline,
     gae,
     gains,
@@ -152,15 +152,15 @@ def test_assigner_schemes_compose_the_primitives():
         ("gae", group_normalize(gae(g, 1.0, 0.9), ids)),
         ("uniform", uniform_advantages(r[:, -1], ids, 5)),
     ]:
-        out = CreditAssigner(CreditConfig(scheme=scheme))(r, ids, 5)
+        out = AdvantageEstimator(AdvantageConfig(scheme=scheme))(r, ids, 5)
         torch.testing.assert_close(out.advantages, ref.clamp(-5, 5), msg=scheme)
         assert out.advantages.dtype == torch.float32 and out.advantages.shape == (8, 5)
         assert (out.gains is None) == (scheme == "uniform")
-    per = CreditAssigner(CreditConfig(scheme="gain", norm="per_step"))(r, ids, 5).advantages
+    per = AdvantageEstimator(AdvantageConfig(scheme="gain", norm="per_step"))(r, ids, 5).advantages
     torch.testing.assert_close(per, normalize_per_step(g, ids))
-    joint = CreditAssigner(CreditConfig(scheme="gain_per_step", norm="joint"))(r, ids, 5).advantages
+    joint = AdvantageEstimator(AdvantageConfig(scheme="gain_per_step", norm="joint"))(r, ids, 5).advantages
     torch.testing.assert_close(joint, group_normalize(g, ids))
-    glob = CreditAssigner(CreditConfig(scheme="gain", std_scope="global"))(r, ids, 5).advantages
+    glob = AdvantageEstimator(AdvantageConfig(scheme="gain", std_scope="global"))(r, ids, 5).advantages
     torch.testing.assert_close(glob, group_normalize(g, ids, std_scope="global"))
 
 
@@ -168,17 +168,17 @@ def test_assigner_ema_scheme_and_state_dict():
     r1, ids = _rewards(seed=5)
     r2, _ = _rewards(seed=6)
     r3, _ = _rewards(seed=7)
-    a = CreditAssigner(CreditConfig(scheme="gain_ema", ema_alpha=0.5))
+    a = AdvantageEstimator(AdvantageConfig(scheme="gain_ema", ema_alpha=0.5))
     a(r1, ids, 5)
     out2 = a(r2, ids, 5)
     b1 = gains(r1.double()).mean(0)
     torch.testing.assert_close(out2.advantages, group_normalize(gains(r2.double()) - b1, ids).clamp(-5, 5))
     state = a.state_dict()
     out3 = a(r3, ids, 5)
-    b = CreditAssigner(CreditConfig(scheme="gain_ema", ema_alpha=0.5))
+    b = AdvantageEstimator(AdvantageConfig(scheme="gain_ema", ema_alpha=0.5))
     b.load_state_dict(state)
     assert torch.equal(b(r3, ids, 5).advantages, out3.advantages)
-    assert CreditAssigner(CreditConfig()).state_dict() == {}
+    assert AdvantageEstimator(AdvantageConfig()).state_dict() == {}
 
 
 def test_zero_groups_clip_and_stats():
@@ -188,7 +188,7 @@ def test_zero_groups_clip_and_stats():
     outl[0, -1] = 1.0
     r = torch.cat([flat, outl])
     ids = torch.cat([torch.zeros(4), torch.ones(40)]).long()
-    out = CreditAssigner(CreditConfig(scheme="uniform", adv_clip=5.0))(r, ids, 2)
+    out = AdvantageEstimator(AdvantageConfig(scheme="uniform", adv_clip=5.0))(r, ids, 2)
     # outlier: (1 − 1/40) / sqrt(p(1−p)), p = 1/40  ≈ 6.24 > 5 -> clipped
     assert (1 - 1 / 40) / (math.sqrt(1 / 40 * 39 / 40) + EPS) > 5
     assert out.advantages[4, 0].item() == 5.0 and out.advantages.max().item() == 5.0
@@ -199,8 +199,8 @@ def test_zero_groups_clip_and_stats():
     # stepwise: identical trajectories in a group are zero only per-step (joint sees 2 different gain values)
     r2 = torch.tensor([[0.1, 0.5, 0.3], [0.1, 0.5, 0.3], [0.0, 0.2, 0.9], [0.0, 0.4, 0.1]])
     ids2 = torch.tensor([0, 0, 1, 1])
-    per = CreditAssigner(CreditConfig(scheme="gain_per_step"))(r2, ids2, 2)
-    joint = CreditAssigner(CreditConfig(scheme="gain"))(r2, ids2, 2)
+    per = AdvantageEstimator(AdvantageConfig(scheme="gain_per_step"))(r2, ids2, 2)
+    joint = AdvantageEstimator(AdvantageConfig(scheme="gain"))(r2, ids2, 2)
     assert per.stats["zero_groups"] == 1.0 and joint.stats["zero_groups"] == 0.0
     assert torch.equal(per.advantages[:2], torch.zeros(2, 2))
     for k in range(2):
@@ -211,11 +211,11 @@ def test_uniform_reads_only_the_final_column():
     r, ids = _rewards()
     r_nan = r.clone()
     r_nan[:, :-1] = float("nan")
-    a = CreditAssigner(CreditConfig(scheme="uniform"))
-    assert not a.needs_stepwise_rewards and CreditAssigner(CreditConfig()).needs_stepwise_rewards
+    a = AdvantageEstimator(AdvantageConfig(scheme="uniform"))
+    assert not a.needs_stepwise_rewards and AdvantageEstimator(AdvantageConfig()).needs_stepwise_rewards
     torch.testing.assert_close(a(r_nan, ids, 5).advantages, a(r, ids, 5).advantages)
     with pytest.raises(ValueError, match="^rewards:"):
-        CreditAssigner(CreditConfig(scheme="gain"))(r_nan, ids, 5)
+        AdvantageEstimator(AdvantageConfig(scheme="gain"))(r_nan, ids, 5)
     with pytest.raises(ValueError, match="^num_steps:"):
         a(r, ids, 4)
 
@@ -225,7 +225,7 @@ def test_gathered_rows_in_any_order():
     r, ids = _rewards(b=12)
     perm = torch.randperm(12, generator=torch.Generator().manual_seed(9))
     for scheme in ("gain", "gain_per_step", "uniform", "gae"):
-        a = CreditAssigner(CreditConfig(scheme=scheme))
+        a = AdvantageEstimator(AdvantageConfig(scheme=scheme))
         torch.testing.assert_close(a(r[perm], ids[perm], 5).advantages, a(r, ids, 5).advantages[perm])
 
 
@@ -236,7 +236,7 @@ def test_gathered_rows_in_any_order():
 ])
 def test_bad_credit_config(kwargs, field):
     with pytest.raises(ValueError) as err:
-        CreditConfig(**kwargs)
+        AdvantageConfig(**kwargs)
     assert str(err.value).startswith(f"{field}:") and "\n" not in str(err.value)
     with pytest.raises(ValueError, match="^std_scope:"):
         group_normalize(torch.zeros(2), torch.zeros(2).long(), std_scope="x")

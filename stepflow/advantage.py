@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from stepflow.sampler import SAMPLERS
+
 __all__ = [
     "gains",
     "group_normalize",
@@ -23,9 +25,9 @@ __all__ = [
     "uniform_advantages",
     "gae",
     "EmaBaseline",
-    "CreditConfig",
-    "CreditOut",
-    "CreditAssigner",
+    "AdvantageConfig",
+    "AdvantageOut",
+    "AdvantageEstimator",
     "SCHEMES",
 ]
 
@@ -205,7 +207,7 @@ class EmaBaseline:
 
 
 @dataclass
-class CreditConfig:
+class AdvantageConfig:
     """How rewards become per-step advantages.
 
     scheme:   ``uniform`` (Flow-GRPO Eq. 4) | ``gain`` (Eq. 5, joint) | ``gain_per_step`` (App. C) |
@@ -215,6 +217,10 @@ class CreditConfig:
     ema_alpha: α of :class:`EmaBaseline`.     gamma, lam: GAE's γ, λ (only γλ matters, see :func:`gae`).
     norm:     None (scheme default: joint, except ``gain_per_step``) | ``joint`` | ``per_step``; overrides the
               normalisation of the gain-family schemes; ignored for ``uniform`` (one value per row).
+    rollout_sampler: None (roll out with the configured ``sampler``) | a sampler name this scheme's rollouts
+              need whatever ``sampler`` says (``distill``: ``ode``, conf/advantage/distill.yaml).
+    same_latent: None (``loop.same_latent``) | the value this scheme needs (``distill``: False, its diversity
+              comes from the initial noise).
     """
 
     scheme: str = "gain"
@@ -225,6 +231,8 @@ class CreditConfig:
     gamma: float = 1.0
     lam: float = 0.9
     norm: str | None = None
+    rollout_sampler: str | None = None
+    same_latent: bool | None = None
 
     def __post_init__(self) -> None:
         if self.scheme not in SCHEMES:
@@ -233,6 +241,8 @@ class CreditConfig:
             raise ValueError(f"std_scope: must be one of {STD_SCOPES}, got {self.std_scope!r}")
         if self.norm not in NORMS:
             raise ValueError(f"norm: must be one of {NORMS}, got {self.norm!r}")
+        if self.rollout_sampler not in (None, *SAMPLERS):
+            raise ValueError(f"rollout_sampler: must be null or one of {SAMPLERS}, got {self.rollout_sampler!r}")
         if not (isinstance(self.eps, (int, float)) and self.eps >= 0):
             raise ValueError(f"eps: must be a float >= 0, got {self.eps!r}")
         if not (isinstance(self.adv_clip, (int, float)) and self.adv_clip > 0):
@@ -253,7 +263,7 @@ class CreditConfig:
 
 
 @dataclass
-class CreditOut:
+class AdvantageOut:
     """advantages: (B, T) float32, clipped to ±adv_clip; gains: (B, T) raw gains or None (uniform);
     stats: python floats (``zero_groups``, ``zero_rows``, ``adv_clip_frac``, ``adv_abs_mean_step{k}``,
     ``gain_abs_mean_step{k}``, ``gain_mean``, ``telescope_mean`` = mean (R_T − R_0))."""
@@ -263,10 +273,10 @@ class CreditOut:
     stats: dict[str, float] = field(default_factory=dict)
 
 
-class CreditAssigner:
-    """Rewards (B, T+1) -> per-step advantages (B, T) according to a :class:`CreditConfig`."""
+class AdvantageEstimator:
+    """Rewards (B, T+1) -> per-step advantages (B, T) according to a :class:`AdvantageConfig`."""
 
-    def __init__(self, cfg: CreditConfig):
+    def __init__(self, cfg: AdvantageConfig):
         self.cfg = cfg
         self.ema = EmaBaseline(cfg.ema_alpha) if cfg.scheme == "gain_ema" else None
 
@@ -279,9 +289,9 @@ class CreditAssigner:
         fn = group_normalize if self.cfg.effective_norm == "joint" else normalize_per_step
         return fn(values, group_ids, std_scope=self.cfg.std_scope, eps=self.cfg.eps)
 
-    def __call__(self, rewards: Tensor, group_ids: Tensor, num_steps: int | None = None) -> CreditOut:
+    def __call__(self, rewards: Tensor, group_ids: Tensor, num_steps: int | None = None) -> AdvantageOut:
         """rewards: (B, T+1) (for ``uniform`` only the last column is read; others may be NaN);
-        group_ids: (B,) long; num_steps: T (checked against ``rewards``).  Returns :class:`CreditOut`."""
+        group_ids: (B,) long; num_steps: T (checked against ``rewards``).  Returns :class:`AdvantageOut`."""
         cfg = self.cfg
         if rewards.ndim != 2 or rewards.shape[1] < 2:
             raise ValueError(f"rewards: expected shape (B, T+1), got {tuple(rewards.shape)}")
@@ -307,7 +317,7 @@ class CreditAssigner:
         raw = adv
         adv = adv.clamp(-cfg.adv_clip, cfg.adv_clip)
         stats = self._stats(raw, adv, g, rewards, group_ids)
-        return CreditOut(advantages=adv, gains=None if g is None else g.to(torch.float32), stats=stats)
+        return AdvantageOut(advantages=adv, gains=None if g is None else g.to(torch.float32), stats=stats)
 
     def _stats(self, raw: Tensor, adv: Tensor, g: Tensor | None, rewards: Tensor, group_ids: Tensor) -> dict:
         b, t = adv.shape

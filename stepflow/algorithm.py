@@ -1,0 +1,231 @@
+"""One iteration of Stepwise-Flow-GRPO / Flow-GRPO, free of Lightning (docs/method.md §10).
+
+:func:`iteration` is the paper's algorithm on one screen: plan → rollout → x̂0 estimates → stepwise rewards →
+advantages → policy update. Each phase is a function of its own (``stepflow.rollout``, ``stepflow.advantage``,
+:func:`update`, :func:`step_loss`), timed by :class:`Phases`, which also reads the NFEs off the policy's counter.
+``stepflow.grpo.GRPOModule`` is the Lightning shell around it; ``experiments/gpu_check.py`` and
+``stepflow.coherence`` call the same functions.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from stepflow.advantage import AdvantageEstimator, AdvantageOut
+from stepflow.config import LoopConfig, TrainConfig
+from stepflow.data import GroupSampler, IterationPlan
+from stepflow.dist import Dist
+from stepflow.loss import distill_loss, policy_loss
+from stepflow.policies.base import FlowPolicy
+from stepflow.rewards.base import Reward
+from stepflow.rollout import Scores, Trajectory, estimate_states, rollout, score
+from stepflow.sampler import SamplerConfig, sde_step
+
+__all__ = ["Learner", "Phases", "IterationResult", "iteration", "update", "step_loss", "trainable_steps",
+           "iteration_metrics"]
+
+
+@dataclass
+class Learner:
+    """Everything an iteration reads: the policy and its optimizer, the reward, the sampler, the advantage
+    estimator, the prompt plan, the loop/train settings and the collectives. ``backward`` runs a loss's backward
+    pass (Lightning's ``manual_backward`` under a Trainer); ``on_optimizer_step(n)`` is called after optimizer
+    step n (the EMA)."""
+
+    policy: FlowPolicy
+    reward: Reward
+    sampler: SamplerConfig
+    advantage: AdvantageEstimator
+    plan: GroupSampler
+    loop: LoopConfig
+    train: TrainConfig
+    optimizer: Any
+    guidance: float = 1.0
+    dist: Dist = field(default_factory=Dist)
+    backward: Callable[[Tensor], None] = Tensor.backward
+    on_optimizer_step: Callable[[int], None] | None = None
+    opt_steps: int = 0
+
+    @property
+    def distill(self) -> bool:
+        return self.advantage.cfg.scheme == "distill"
+
+
+class Phases:
+    """Seconds and policy NFEs (sample-level transformer evaluations, CFG counted twice) per phase, and on CUDA the
+    peak memory of each phase (GiB): ``with phases("rollout"): ...``. CUDA is synchronised at both ends, so a
+    phase's seconds are its own."""
+
+    def __init__(self, policy: FlowPolicy):
+        self.policy = policy
+        self.seconds: dict[str, float] = {}
+        self.nfe: dict[str, int] = {}
+        self.peak_gib: dict[str, float] = {}
+
+    @contextlib.contextmanager
+    def __call__(self, name: str):
+        cuda = self.policy.device.type == "cuda"
+        if cuda:
+            torch.cuda.synchronize(self.policy.device)
+            torch.cuda.reset_peak_memory_stats(self.policy.device)
+        n0, t0 = self.policy.nfe, time.perf_counter()
+        try:
+            yield
+        finally:
+            if cuda:
+                torch.cuda.synchronize(self.policy.device)
+                peak = torch.cuda.max_memory_allocated(self.policy.device) / 2**30
+                self.peak_gib[name] = max(self.peak_gib.get(name, 0.0), peak)
+            self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - t0
+            self.nfe[name] = self.nfe.get(name, 0) + self.policy.nfe - n0
+
+
+@dataclass(frozen=True)
+class IterationResult:
+    plan: IterationPlan  #: the global plan (every rank's rows)
+    scores: Scores  #: this rank's rewards
+    rewards: Tensor  #: (B_global, T+1) rewards of all ranks
+    advantages: AdvantageOut  #: of all rows
+    update: dict[str, float]  #: the update's diagnostics
+    phases: Phases
+    stepwise: bool  #: rewards were computed at every state (else only R_T)
+
+
+def iteration(lr: Learner, it: int) -> IterationResult:
+    """GRPO iteration ``it`` (docs/method.md §10)."""
+    plan = lr.plan.plan(it)  # the same global plan on every rank; each rolls out its own rows
+    mine = plan.shard(lr.dist.rank, lr.dist.world)
+    steps, ph = lr.loop.num_steps, Phases(lr.policy)
+    lr.policy.eval()
+    with ph("rollout"):  # X_0 .. X_T and log π_old under the SDE sampler, no grad
+        traj = rollout(lr.policy, mine, lr.sampler, steps, lr.guidance)
+    with ph("estimate"):  # x̂0 of every state by T′ Euler substeps (not needed by uniform credit)
+        x0_hat = None
+        if lr.advantage.needs_stepwise_rewards:
+            x0_hat = estimate_states(lr.policy, traj, lr.loop.substeps, lr.guidance, lr.loop.adaptive_substeps,
+                                     lr.loop.estimate_chunk)
+    with ph("reward"):  # R_0 .. R_T in one reward call (uniform: R_T only)
+        scores = score(lr.policy, lr.reward, traj, x0_hat, lr.loop.decode_chunk)
+    with ph("advantage"):  # gains G_k = R_{k+1} − R_k, normalised per group over every rank's rows
+        rewards = lr.dist.gather_rows(scores.rewards)
+        adv = lr.advantage(rewards, plan.group_ids, steps)
+    with ph("update"):  # clipped GRPO (+ β·KL) over the trainable steps
+        upd = update(lr, traj, lr.dist.local_rows(adv.advantages), x0_hat, it)
+    return IterationResult(plan, scores, rewards, adv, upd, ph, x0_hat is not None)
+
+
+def trainable_steps(traj: Trajectory, train: TrainConfig, distill: bool = False) -> list[int]:
+    """Steps to train: ``train_steps`` or the first int(T·timestep_fraction) steps, minus steps without noise
+    (distillation needs no density and trains every chosen step)."""
+    t_steps = traj.num_steps
+    cand = list(train.train_steps) if train.train_steps is not None else list(range(int(t_steps * train.timestep_fraction + 1e-9)))
+    cand = [k for k in cand if 0 <= k < t_steps]
+    return cand if distill else [k for k in cand if bool(traj.trainable[:, k].all())]
+
+
+def update(lr: Learner, traj: Trajectory, adv: Tensor, x0_hat: Tensor | None, it: int) -> dict[str, float]:
+    """Policy update over the trainable steps: ``updates_per_iter`` optimizer steps over shuffled rows, each
+    accumulating (trainable steps × micro-batches). adv: (B_local, T). Returns diagnostics (means over terms)."""
+    o, pol, dist = lr.train, lr.policy, lr.dist
+    steps = trainable_steps(traj, o, lr.distill)
+    keep = adv.abs().sum(1) > 0 if (o.drop_zero_adv and not lr.distill) else torch.ones(traj.batch_size, dtype=torch.bool)
+    rows = torch.nonzero(keep).flatten()
+    rows = rows[torch.randperm(len(rows), generator=torch.Generator().manual_seed(lr.loop.seed * 7919 + it))]
+    if dist.world > 1:  # the same number of optimizer steps on every rank (a rank may hold no rows of a chunk)
+        chunks = list(rows.tensor_split(o.updates_per_iter))
+    else:
+        chunks = [c for c in rows.chunk(o.updates_per_iter) if len(c)] if len(rows) else []
+    if not steps:  # e.g. the ODE sampler: no step has a density, nothing to train
+        chunks = []
+    times = traj.times.to(pol.device)
+    params = list(pol.lora_parameters())
+    stats: dict[str, list[float]] = {}
+    pol.train()
+    for chunk in chunks:
+        n_global = dist.all_sum(len(chunk))
+        if n_global == 0:
+            continue
+        lr.optimizer.zero_grad(set_to_none=True)
+        mbs = [mb for mb in chunk.split(o.micro_batch_size) if len(mb)]  # a rank may hold none of a chunk's rows
+        for k in steps:
+            for mb in mbs:
+                out = step_loss(lr, traj, adv, k, mb, times, x0_hat)
+                # each term is a mean over its rows: weighted, the step's loss is the mean over all rows of the
+                # chunk on all ranks (gradients are then summed over ranks), averaged over the steps
+                lr.backward(out.pop("loss") * (len(mb) / (n_global * len(steps))))
+                for name, v in out.items():
+                    stats.setdefault(name, []).append(float(v))
+                    if name in ("clip_frac", "kl"):
+                        stats.setdefault(f"{name}_step{k}", []).append(float(v))
+        dist.all_reduce_grads(params)
+        if o.max_grad_norm > 0:
+            stats.setdefault("grad_norm", []).append(float(torch.nn.utils.clip_grad_norm_(params, o.max_grad_norm)))
+        lr.optimizer.step()
+        lr.opt_steps += 1
+        if lr.on_optimizer_step is not None:
+            lr.on_optimizer_step(lr.opt_steps - 1)
+    pol.eval()
+    res = {f"train/{k}": sum(v) / len(v) for k, v in stats.items()}
+    if "ratio_min" in stats:
+        res["train/ratio_min"], res["train/ratio_max"] = min(stats["ratio_min"]), max(stats["ratio_max"])
+    res["train/samples_trained"], res["train/steps_trained"] = float(len(rows)), float(len(steps))
+    return res
+
+
+def step_loss(lr: Learner, traj: Trajectory, adv: Tensor, k: int, rows: Tensor, times: Tensor,
+              x0_hat: Tensor | None = None) -> dict[str, Tensor]:
+    """The loss of step k on ``rows`` (a mean over them) and its detached diagnostics (docs/method.md §5, §6.3).
+
+    GRPO: ``mean_i max(−A ρ, −A clip(ρ, 1 ± ϵ)) + β·KL(π_θ ‖ π_ref)`` with ρ from the log-prob of the rollout's
+    X_{k+1}; distillation: the gain-weighted distance of the student's Tweedie x̂0 to the estimate two steps later.
+    """
+    o, pol, dev = lr.train, lr.policy, lr.policy.device
+    x_k = traj.latents[rows, k].to(dev)
+    cond = traj.cond.index(rows).to(dev)
+    t, t_next = times[k], times[k + 1]
+    v = pol.velocity(x_k, t, cond, lr.guidance)
+    a = adv[rows, k].to(dev)
+    if lr.distill:  # student Tweedie at (x_t, t) vs sg[x̂0 two steps later] (X_T beyond the end)
+        target = x0_hat[rows, min(k + 2, traj.num_steps)].to(dev)
+        loss = distill_loss(x_k - t * v, target, a, weight=o.distill_weight, temperature=o.distill_temperature)
+        return {"loss": loss, "distill_loss": loss.detach()}
+    x_next = traj.latents[rows, k + 1].to(dev)
+    out = sde_step(lr.sampler, x_k, v, t, t_next, t_guard=times[1], prev_sample=x_next)
+    ref_mean = None
+    if o.beta_kl > 0:
+        with torch.no_grad(), pol.disable_adapter():
+            v_ref = pol.velocity(x_k, t, cond, lr.guidance)
+            ref_mean = sde_step(lr.sampler, x_k, v_ref, t, t_next, t_guard=times[1], prev_sample=x_next).mean
+    lo = policy_loss(out.log_prob, traj.log_probs[rows, k].to(dev), a, clip_eps=o.clip_eps, mean=out.mean,
+                     ref_mean=ref_mean, std=out.std, kl_scale=out.kl_scale, beta=o.beta_kl, kl_mode=o.kl_mode)
+    return {"loss": lo.loss, "policy_loss": lo.policy_loss, "kl": lo.kl, "clip_frac": lo.clip_frac,
+            "ratio_mean": lo.ratio_mean, "ratio_min": lo.ratio_min, "ratio_max": lo.ratio_max,
+            "adv_abs": a.abs().mean().detach()}
+
+
+def iteration_metrics(res: IterationResult, world: int) -> dict[str, float]:
+    """The metrics of one iteration (names in the README): rewards per step, advantages, update diagnostics,
+    seconds and NFEs per phase, images scored (counts summed over ranks)."""
+    r = res.rewards
+    final = r[:, -1]
+    m = {"train/reward_final": final.mean().item(), "train/reward_std": final.std().item() if final.numel() > 1 else 0.0}
+    m["train/reward_mean"] = (r if res.stepwise else final).mean().item()
+    if res.stepwise:
+        m.update({f"train/reward_step{k}": r[:, k].mean().item() for k in range(r.shape[1])})
+    m.update({f"train/{name}": v.float().mean().item() for name, v in res.scores.components.items()})
+    m.update({f"train/{k}": float(v) for k, v in res.advantages.stats.items()})
+    m.update(res.update)
+    s, n = res.phases.seconds, res.phases.nfe
+    m.update({f"time/{p}_s": s.get(p, 0.0) for p in ("rollout", "estimate", "reward", "advantage", "update")})
+    m["time/iteration_s"] = sum(s.values())
+    m.update({"cost/nfe": sum(n.values()) * world, "cost/nfe_rollout": n.get("rollout", 0) * world,
+              "cost/nfe_estimate": n.get("estimate", 0) * world, "cost/reward_calls": 1,
+              "cost/reward_images": res.scores.images * world})
+    return m

@@ -1,0 +1,118 @@
+"""The configuration: every group option composes and builds, every field has one default (stepflow/config.py), the
+YAML files only override it, and a bad value is caught where the field is defined."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import yaml
+from conftest import compose_config
+from omegaconf import OmegaConf
+
+from stepflow.advantage import AdvantageConfig
+from stepflow.cli import CONF_DIR, StepflowError
+from stepflow.config import EmaConfig, EvalConfig, LoopConfig, LoraConfig, RunConfig, TrainConfig, to_config
+from stepflow.sampler import DEFAULT_LOGPROB, SamplerConfig
+
+GROUPS = ["model", "reward", "advantage", "sampler", "data", "trainer", "logger", "experiment"]
+OPTIONS = [(g, p.stem) for g in GROUPS for p in sorted((CONF_DIR / g).glob("*.yaml"))]
+SECTIONS = {"loop": LoopConfig, "train": TrainConfig, "eval": EvalConfig, "ema": EmaConfig, "lora": LoraConfig,
+            "sampler": SamplerConfig, "advantage": AdvantageConfig}
+
+
+@pytest.mark.parametrize("group,option", OPTIONS, ids=[f"{g}={o}" for g, o in OPTIONS])
+def test_every_group_option_composes_and_builds(group, option):
+    cfg = compose_config("train", [f"{group}={option}"])
+    for name, cls in SECTIONS.items():
+        obj = to_config(cfg[name], cls, name)  # the dataclass checks pass for every shipped option
+        assert isinstance(obj, cls)
+    for name in ("model", "reward", "trainer"):
+        assert "_target_" in cfg[name], f"{name} of {group}={option} has no _target_"
+    for name, node in cfg.logger.items():
+        assert "_target_" in node, f"logger.{name}"
+
+
+def _yaml(path) -> dict:
+    return yaml.safe_load(path.read_text()) or {}
+
+
+def _defaults(cls) -> dict:
+    return {f.name: (f.default if f.default is not dataclasses.MISSING else f.default_factory())
+            for f in dataclasses.fields(cls)
+            if f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING}
+
+
+@pytest.mark.parametrize("group,cls,key", [("sampler", SamplerConfig, "name"), ("advantage", AdvantageConfig, "scheme")])
+def test_group_files_only_override_the_dataclass(group, cls, key):
+    """A sampler / advantage option file states what makes it that option, never a value equal to the default."""
+    defaults = _defaults(cls)
+    for path in sorted((CONF_DIR / group).glob("*.yaml")):
+        for k, v in _yaml(path).items():
+            if k in (key, "defaults"):
+                continue
+            assert k in defaults, f"{path.name}: {k} is not a field of {cls.__name__}"
+            assert v != defaults[k], f"{path.name}: {k}: {v!r} repeats the default of {cls.__name__}.{k}"
+
+
+def test_train_yaml_holds_no_defaults_of_its_own():
+    """conf/train.yaml chooses groups; the fields and their defaults live in RunConfig (except loop.seed, which
+    follows the run's seed)."""
+    top = _yaml(CONF_DIR / "train.yaml")
+    assert top.pop("defaults")[0] == "train_schema"
+    assert top.pop("loop") == {"seed": "${seed}"}
+    assert set(top) <= {"hydra", "callbacks"}, set(top)
+
+
+def test_the_composed_defaults_are_the_dataclass_defaults():
+    """Without a recipe (model=shapes_tiny has none), each section composes to its dataclass's defaults."""
+    cfg = compose_config("train", ["model=shapes_tiny"])
+    for name in ("loop", "train", "eval", "ema", "lora"):
+        got = OmegaConf.to_container(cfg[name], resolve=True)
+        want = dataclasses.asdict(SECTIONS[name]())
+        if name == "loop":
+            assert got.pop("seed") == cfg.seed
+            want.pop("seed")
+        assert got == want, name
+    assert RunConfig().seed == 0
+
+
+def test_models_hold_constructor_arguments_only():
+    """Recipe keys (which steps to train, the DDIM schedule) live in recipe/<model>.yaml, not in model configs."""
+    for path in sorted((CONF_DIR / "model").glob("*.yaml")):
+        keys = set(_yaml(path))
+        assert "_target_" in keys and not keys & {"train_steps", "ddim_schedule", "lora"}, path.name
+    for path in sorted((CONF_DIR / "recipe").glob("*.yaml")):
+        assert (CONF_DIR / "model" / path.name).is_file(), f"recipe/{path.name} has no model/{path.name}"
+
+
+def test_python_and_yaml_sampler_defaults_agree():
+    """SamplerConfig(name=...) in Python gives what sampler=<name> gives on the command line."""
+    for path in sorted((CONF_DIR / "sampler").glob("*.yaml")):
+        py = dataclasses.asdict(SamplerConfig(name=path.stem))
+        cfg = compose_config("train", ["model=shapes_tiny", f"sampler={path.stem}"])
+        assert dataclasses.asdict(to_config(cfg.sampler, SamplerConfig)) == py, path.stem
+    assert SamplerConfig(name="cps").logprob == "cps_constfree" == DEFAULT_LOGPROB["cps"]
+    assert SamplerConfig(name="flow_sde").logprob == "gaussian"
+
+
+def test_distill_states_its_ode_rollout_and_independent_noise():
+    cfg = compose_config("train", ["advantage=distill"])
+    assert cfg.advantage.rollout_sampler == "ode" and cfg.advantage.same_latent is False
+    assert compose_config("train").advantage.rollout_sampler is None
+
+
+@pytest.mark.parametrize("section,value,needle", [
+    ("loop", {"iterations": -1}, "loop.iterations"),
+    ("loop", {"group_size": 1}, "loop.group_size"),
+    ("eval", {"every": -2}, "eval.every"),
+    ("ema", {"decay": 1.5}, "ema.decay"),
+    ("ema", {"update_every": 0}, "ema.update_every"),
+    ("train", {"lr": 0}, "train.lr"),
+    ("train", {"train_steps": "abc"}, "train.train_steps"),
+    ("lora", {"rank": 0}, "lora.rank"),
+])
+def test_a_bad_value_names_its_field(section, value, needle):
+    node = OmegaConf.merge(OmegaConf.structured(SECTIONS[section]), value)
+    with pytest.raises(StepflowError, match=needle.replace(".", r"\.")):
+        to_config(node, SECTIONS[section], section)
