@@ -170,3 +170,22 @@ def test_hpsv2_training_layout_loads_weights_only(hps_ckpt, tmp_path):
     assert "weights_only" not in reward_config("hpsv2")
     with pytest.raises(TypeError):
         HPSv2(checkpoint=str(d), arch=ARCH, weights_only=False, device="cpu")
+
+
+def test_only_the_named_extra_globals_are_allowed(tmp_path):
+    """``load_state_dict(..., safe_globals=...)`` allows exactly the callables named (none for HPSv2, ImageReward
+    and the aesthetic MLP, whose files pickle only tensors and plain values); anything else stays refused."""
+    import argparse
+
+    from stepflow.rewards.loading import load_state_dict
+
+    torch.save({"state_dict": {"w": torch.ones(2)}, "args": argparse.Namespace(lr=1e-3)}, tmp_path / "ns.pt")
+    with pytest.raises(RewardLoadError, match=r"argparse\.Namespace.*reward\.checkpoint="):
+        load_state_dict(str(tmp_path / "ns.pt"), "HPSv2 checkpoint", "reward.checkpoint")
+    sd = load_state_dict(str(tmp_path / "ns.pt"), "HPSv2 checkpoint", "reward.checkpoint",
+                         safe_globals=[argparse.Namespace])
+    torch.testing.assert_close(sd["w"], torch.ones(2))
+    path, marker = payload_checkpoint(tmp_path, "evil.pt", {"state_dict": {"w": torch.ones(2)}})
+    with pytest.raises(RewardLoadError, match="exec"):
+        load_state_dict(path, "HPSv2 checkpoint", "reward.checkpoint", safe_globals=[argparse.Namespace])
+    assert not marker.exists()
