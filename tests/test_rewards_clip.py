@@ -9,7 +9,6 @@ import math
 import pytest
 import torch
 import torch.nn as nn
-from PIL import Image
 
 from stepflow.rewards.errors import RewardLoadError
 
@@ -70,15 +69,17 @@ def images():
 
 
 def _reference(d, images, prompts):
-    """logits_per_image.diag(), the normalized image embeds and logit_scale.exp(), via the plain CLIPModel forward."""
-    from transformers import CLIPModel, CLIPProcessor
+    """logits_per_image.diag(), the normalized image embeds and logit_scale.exp(), via the plain CLIPModel forward on
+    the pixels of the published preprocessing (transformers 4's PIL ``CLIPImageProcessor``, built independently in
+    ``test_rewards_preprocess.clip_processor_reference``) of the uint8-rounded images."""
+    from test_rewards_preprocess import clip_processor_reference, flow_grpo_uint8
+    from transformers import CLIPModel, CLIPTokenizer
 
-    model, proc = CLIPModel.from_pretrained(d).eval(), CLIPProcessor.from_pretrained(d)
-    u8 = (images * 255).round().clamp(0, 255).to(torch.uint8).permute(0, 2, 3, 1).numpy()
-    pil = [Image.fromarray(a) for a in u8]
-    inp = proc(text=prompts, images=pil, return_tensors="pt", padding=True, truncation=True, max_length=77)
+    model, tok = CLIPModel.from_pretrained(d).eval(), CLIPTokenizer.from_pretrained(d)
+    pix = torch.stack([clip_processor_reference(a, size=32, crop=32) for a in flow_grpo_uint8(images)])
+    inp = tok(prompts, return_tensors="pt", padding=True, truncation=True, max_length=77)
     with torch.no_grad():
-        out = model(**inp)
+        out = model(pixel_values=pix, **inp)
     return out.logits_per_image.diag(), out.image_embeds, model.logit_scale.exp().item()
 
 
@@ -214,3 +215,52 @@ def test_configs_build_through_hydra(tiny_clip_dir, images):
     _one_line_error(lambda: build_reward("multi", ["rewards.pickscore.model_path=/no/such/dir",
                                                    "rewards.ocr.engine=builtins:str"]),
                     "/no/such/dir", "reward.rewards.pickscore.model_path=")
+
+
+# ------------------------------------------------------------------ reward.dtype=bfloat16
+
+
+def _bf16_close(fp32: torch.Tensor, bf16: torch.Tensor, tol: float) -> None:
+    """bf16 really ran (not bit-identical to fp32) and agrees with fp32 within ``tol`` (a few bf16 ulps of the
+    score's scale: bf16 keeps 8 significant bits, relative step 2**-8 = 0.0039)."""
+    assert bf16.dtype == torch.float32 and torch.isfinite(bf16).all()
+    assert not torch.equal(fp32, bf16)
+    torch.testing.assert_close(bf16, fp32, rtol=0, atol=tol)
+
+
+def test_clip_rewards_run_in_bf16(tiny_clip_dir, images, tmp_path):
+    """``reward.dtype=bfloat16`` (through the Hydra configs) runs the CLIP towers in bf16 for PickScore, CLIPScore
+    and the aesthetic predictor, and the scores agree with fp32."""
+    from stepflow.rewards.registry import build_reward
+
+    torch.manual_seed(3)
+    head = nn.Sequential(nn.Linear(768, 1024), nn.Dropout(0.2), nn.Linear(1024, 128), nn.Dropout(0.2),
+                         nn.Linear(128, 64), nn.Dropout(0.1), nn.Linear(64, 16), nn.Linear(16, 1))
+    for p in head.parameters():
+        nn.init.normal_(p, std=0.2)
+    torch.save({"layers." + k: v for k, v in head.state_dict().items()}, tmp_path / "aes.pth")
+    # tolerances: ~3x the measured bf16 error; the logit is 57 * cos, the cosine ~1e-2, the aesthetic score ~1
+    cases = {"pickscore": ([f"model_path={tiny_clip_dir}", f"processor_path={tiny_clip_dir}", "scale=1"], 0.08),
+             "clipscore": ([f"model_path={tiny_clip_dir}", "mode=cosine"], 2e-3),
+             "aesthetic": ([f"clip_path={tiny_clip_dir}", f"mlp_path={tmp_path / 'aes.pth'}"], 0.05)}
+    for name, (ov, tol) in cases.items():
+        fp32 = build_reward(name, ov + ["device=cpu"])
+        bf16 = build_reward(name, ov + ["device=cpu", "dtype=bfloat16"])
+        assert bf16.clip.model.dtype == torch.bfloat16, name
+        a, b = fp32(images, PROMPTS), bf16(images, PROMPTS)
+        _bf16_close(a.scores, b.scores, tol)
+
+
+def test_aesthetic_mlp_pickle_cannot_run_code(tiny_clip_dir, tmp_path):
+    """The MLP file is read with weights_only=True: a payload in it does not run; one-line error naming the path and
+    reward.mlp_path."""
+    from test_rewards_hpsv2 import assert_payload_refused, payload_checkpoint
+
+    from stepflow.rewards.registry import build_reward
+
+    head = nn.Sequential(nn.Linear(768, 1024), nn.Dropout(0.2), nn.Linear(1024, 128), nn.Dropout(0.2),
+                         nn.Linear(128, 64), nn.Dropout(0.1), nn.Linear(64, 16), nn.Linear(16, 1))
+    sd = {"layers." + k: v for k, v in head.state_dict().items()}
+    path, marker = payload_checkpoint(tmp_path, "aes.pth", sd)
+    assert_payload_refused(lambda: build_reward("aesthetic", [f"clip_path={tiny_clip_dir}", f"mlp_path={path}",
+                                                              "device=cpu"]), path, marker, "reward.mlp_path=")

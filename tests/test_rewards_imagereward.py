@@ -2,7 +2,8 @@
 out (``ImageReward.pt`` state dict + ``med_config.json`` + a BERT ``vocab.txt``), loaded back through the reward's
 loading code, and checked against a step-by-step functional forward written here from the ImageReward/BLIP
 definitions: ViT (pre-norm, eps 1e-6) -> BERT with cross-attention (post-norm, -10000 padding mask) ->
-(MLP(h[CLS]) - 0.16717362830052426) / 1.0333394966054072."""
+(MLP(h[CLS]) - 0.16717362830052426) / 1.0333394966054072. Also: bf16, and checkpoints that would run code are
+refused."""
 
 from __future__ import annotations
 
@@ -170,3 +171,39 @@ def test_imagereward_checkpoint_file_and_errors(ir_dir, tmp_path):
     (tmp_path / "med_config.json").write_text(json.dumps(MED))
     assert "mlp.layers.0.weight" in err(model_path=str(tmp_path))
     assert "stepflow-test/no-such-ir" in err(model_path="stepflow-test/no-such-ir")  # uncached hub id, offline
+
+
+def test_imagereward_runs_in_bf16(ir_dir):
+    """``reward.dtype=bfloat16`` (through the Hydra config; it used to crash: a bf16 head fed fp32) runs BLIP in bf16
+    with the MLP head in fp32, and agrees with fp32 to a bf16 tolerance (~3x the measured 5e-3)."""
+    from stepflow.rewards.registry import build_reward
+
+    d, tokdir, _ = ir_dir
+    images = torch.rand(len(PROMPTS), 3, 40, 48, generator=torch.Generator().manual_seed(5))
+    ov = [f"model_path={d}", f"tokenizer_path={tokdir}", f"vit_num_heads={VIT['num_heads']}", "device=cpu"]
+    fp32, bf16 = build_reward("imagereward", ov), build_reward("imagereward", ov + ["dtype=bfloat16"])
+    assert bf16.model.blip.visual_encoder.patch_embed.proj.weight.dtype == torch.bfloat16
+    assert bf16.model.mlp.layers[0].weight.dtype == torch.float32
+    a, b = fp32(images, PROMPTS), bf16(images, PROMPTS)
+    assert not torch.equal(a.scores, b.scores)
+    torch.testing.assert_close(b.scores, a.scores, rtol=0, atol=0.015)
+    torch.testing.assert_close(b.components["raw"], a.components["raw"], rtol=0, atol=0.015)
+
+
+def test_imagereward_checkpoint_cannot_run_code(ir_dir, tmp_path):
+    """ImageReward.pt is read with weights_only=True: a payload does not run; one line naming the path and
+    reward.model_path. The ``weights_only`` option is gone."""
+    from test_rewards_hpsv2 import assert_payload_refused, payload_checkpoint
+
+    from stepflow.rewards.imagereward import ImageReward
+    from stepflow.rewards.registry import build_reward, reward_config
+
+    d, tokdir, sd = ir_dir
+    path, marker = payload_checkpoint(tmp_path, "ImageReward.pt", sd)
+    (tmp_path / "med_config.json").write_text(json.dumps(MED))
+    assert_payload_refused(lambda: build_reward("imagereward", [f"model_path={tmp_path}", f"tokenizer_path={tokdir}",
+                                                                "vit_num_heads=4", "device=cpu"]),
+                           path, marker, "reward.model_path=")
+    assert "weights_only" not in reward_config("imagereward")
+    with pytest.raises(TypeError):
+        ImageReward(model_path=str(d), tokenizer_path=str(tokdir), weights_only=False, device="cpu")

@@ -4,6 +4,17 @@ score = MLP(e / ||e||), e the CLIP ViT-L/14 image embedding (``openai/clip-vit-l
 The MLP is the released ``sac+logos+ava1-l14-linearMSE.pth``: Linear 768→1024, Dropout 0.2, Linear →128,
 Dropout 0.2, Linear →64, Dropout 0.1, Linear →16, Linear →1 (no nonlinearities, as released). Raw scores are on
 the AVA 1-10 scale (typically 4-7). This is Flow-GRPO's ``aesthetic`` reward.
+
+Image path (the official one): Flow-GRPO's ``aesthetic_score`` rounds the float image to uint8 and its
+``aesthetic_scorer.py::AestheticScorer`` runs transformers' ``CLIPProcessor`` (the PIL processor in transformers 4);
+stepflow does the same through :class:`~stepflow.rewards.clip_based.CLIPEmbedder` (uint8 -> PIL ->
+``CLIPImageProcessorPil``: PIL bicubic resize of the short side to 224, center crop, CLIP mean/std). The
+predictor's own ``simple_inference.py`` embeds with OpenAI ``clip``'s preprocess (torchvision ``Resize``/``CenterCrop``
+on the PIL image): the same resampling; only its crop offset rounds ``(d / 2)`` where transformers floors it, which
+differs by one pixel when the overhang ``d = long - 224`` is 3 mod 4 (never for square images).
+
+``reward.dtype=bfloat16`` runs CLIP in bf16; the normalization and the MLP stay fp32. The MLP file is read with
+``torch.load(weights_only=True)`` (it is a plain state dict of tensors).
 """
 
 from __future__ import annotations

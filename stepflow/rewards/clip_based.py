@@ -1,9 +1,17 @@
 """CLIP-embedding rewards on transformers ``CLIPModel``: PickScore and CLIPScore (and the embedder the aesthetic
 predictor shares).
 
-Preprocessing follows Flow-GRPO: images are rounded to uint8, turned into PIL images and passed through the
-model's own ``CLIPProcessor`` (resize shortest edge + center crop + normalize); prompts are tokenized with padding,
+Image path (the official one): the decoded float image in [0, 1] is rounded to uint8 (``(x * 255).round()``, as
+Flow-GRPO's ``pickscore_score``/``aesthetic_score`` do), made a PIL image and passed through the model's CLIP image
+processor **with PIL resizing**: ``CLIPImageProcessorPil`` (transformers 5) is the PIL/NumPy processor that
+transformers 4 called ``CLIPImageProcessor`` and that PickScore's README, Flow-GRPO's ``pickscore_scorer.py`` and
+``aesthetic_scorer.py`` ran: ``PIL.Image.resize`` bicubic of the short side to 224 (long side
+``int(224 * long / short)``), center crop at ``((h - 224) // 2, (w - 224) // 2)``, ``x / 255``, CLIP mean/std.
+transformers 5's default ``CLIPImageProcessor`` resizes torch tensors instead, which is not the same resampling
+(PickScore logits move by up to ~6e-3 on non-square images), so it is not used. Prompts are tokenized with padding,
 truncation and ``max_length=77``.
+
+``reward.dtype=bfloat16`` runs the CLIP towers in bf16; normalization, cosine and ``logit_scale`` are fp32.
 
 transformers 5 note: ``get_image_features``/``get_text_features`` return a ``BaseModelOutputWithPooling`` whose
 ``pooler_output`` is the projected embedding (4.x returned the tensor); :func:`_features` accepts both.
@@ -48,7 +56,7 @@ class CLIPEmbedder:
     def __init__(self, model_path: str, processor_path: str | None = None, device: str = "auto",
                  dtype: str = "float32", text: bool = True, what: str = "CLIP", key_prefix: str = "reward.",
                  model_key: str = "model_path", processor_key: str = "processor_path"):
-        from transformers import CLIPImageProcessor, CLIPModel, CLIPProcessor
+        from transformers import AutoTokenizer, CLIPImageProcessorPil, CLIPModel
 
         self.device = pick_device(device)
         self.dtype = pick_dtype(dtype)
@@ -59,22 +67,25 @@ class CLIPEmbedder:
         with load_guard(f"{what} model", model_path, key_prefix + model_key):
             self.model = CLIPModel.from_pretrained(mpath).eval().to(self.device, self.dtype)
         with load_guard(f"{what} processor", processor_path, pkey):
-            self.processor = (CLIPProcessor if text else CLIPImageProcessor).from_pretrained(ppath)
+            # the PIL processor (transformers 4's CLIPImageProcessor), whatever image_processor_type the config names
+            self.image_processor = CLIPImageProcessorPil.from_pretrained(ppath)
+            self.tokenizer = AutoTokenizer.from_pretrained(ppath) if text else None
         self.model.requires_grad_(False)
 
-    def _image_processor(self):
-        return getattr(self.processor, "image_processor", self.processor)
+    def pixels(self, images: Tensor) -> Tensor:
+        """(B, 3, H, W) in [0, 1] -> the fp32 ``pixel_values`` the official scorers feed the model (module docstring)."""
+        return self.image_processor(images=to_pil(images), return_tensors="pt")["pixel_values"]
 
     @torch.no_grad()
     def image_embeds(self, images: Tensor) -> Tensor:
-        """(B, 3, H, W) in [0, 1] -> (B, D) projected, *unnormalized* image embeddings."""
-        pix = self._image_processor()(images=to_pil(images), return_tensors="pt")["pixel_values"]
-        return _features(self.model.get_image_features(pixel_values=pix.to(self.device, self.dtype))).float()
+        """(B, 3, H, W) in [0, 1] -> (B, D) projected, *unnormalized* image embeddings (fp32)."""
+        pix = self.pixels(images).to(self.device, self.dtype)
+        return _features(self.model.get_image_features(pixel_values=pix)).float()
 
     @torch.no_grad()
     def text_embeds(self, prompts: Sequence[str]) -> Tensor:
         """B prompts -> (B, D) projected, *unnormalized* text embeddings."""
-        tok = self.processor.tokenizer(list(prompts), padding=True, truncation=True, max_length=77, return_tensors="pt")
+        tok = self.tokenizer(list(prompts), padding=True, truncation=True, max_length=77, return_tensors="pt")
         out = self.model.get_text_features(input_ids=tok["input_ids"].to(self.device),
                                            attention_mask=tok["attention_mask"].to(self.device))
         return _features(out).float()

@@ -13,6 +13,18 @@ The ViT sizes are read from the checkpoint (ImageReward: ViT-L/16 at 224 px); th
 the ``vit_num_heads`` option (16). The head's input size follows the med config's ``hidden_size`` (768 for the
 real model), so tiny test models can use a narrow BERT. ``blip.vision_proj``/``blip.text_proj`` (ITC heads) are in
 the checkpoint but unused by the score, and are not built.
+
+Image path (the official one): the decoded float image in [0, 1] is rounded to uint8 (``(x * 255).round()``, as
+Flow-GRPO's ``imagereward_score``), made a PIL image and passed through ImageReward's ``_transform(224)``
+(``ImageReward/ImageReward.py``): torchvision ``Resize(224, BICUBIC)`` on the PIL image (``PIL.Image.resize`` of the
+short side to 224, long side ``int(224 * long / short)``), ``CenterCrop(224)`` (offsets
+``round((h - 224) / 2)``), ``ToTensor``, CLIP mean/std.
+
+``reward.dtype=bfloat16`` runs BLIP (ViT + BERT) in bf16; the MLP head and ``(s - mean) / std`` stay fp32 (the
+official ``inference_rank`` also casts the [CLS] feature with ``.float()`` before the head). The checkpoint is read
+with ``torch.load(weights_only=True)``: ``ImageReward.pt`` is the ``state_dict`` that ``ImageReward/utils.py::load``
+passes straight to ``load_state_dict`` (an ``OrderedDict`` of tensors), which torch's default allowlist covers; no
+extra global is allowed.
 """
 
 from __future__ import annotations
@@ -92,11 +104,12 @@ def blip_tokenizer(path: str, key: str = "reward.tokenizer_path"):
 
 
 def image_transform(size: int):
-    """ImageReward's preprocessing: bicubic resize of the short side, center crop, CLIP mean/std."""
+    """ImageReward's ``_transform(n_px)``: bicubic resize of the short side, center crop, RGB, ToTensor, CLIP
+    mean/std (torchvision on the PIL image)."""
     from torchvision.transforms import CenterCrop, Compose, InterpolationMode, Normalize, Resize, ToTensor
 
-    return Compose([Resize(size, interpolation=InterpolationMode.BICUBIC), CenterCrop(size), ToTensor(),
-                    Normalize(CLIP_MEAN, CLIP_STD)])
+    return Compose([Resize(size, interpolation=InterpolationMode.BICUBIC), CenterCrop(size),
+                    lambda im: im.convert("RGB"), ToTensor(), Normalize(CLIP_MEAN, CLIP_STD)])
 
 
 class ImageReward(Reward):
@@ -108,8 +121,8 @@ class ImageReward(Reward):
 
     def __init__(self, model_path: str = "THUDM/ImageReward", checkpoint: str = "ImageReward.pt",
                  med_config: str = "med_config.json", tokenizer_path: str = "bert-base-uncased",
-                 vit_num_heads: int = 16, max_length: int = 35, weights_only: bool = True, device: str = "auto",
-                 dtype: str = "float32", batch_size: int = 16):
+                 vit_num_heads: int = 16, max_length: int = 35, device: str = "auto", dtype: str = "float32",
+                 batch_size: int = 16):
         self.device, self.dtype = pick_device(device), pick_dtype(dtype)
         key = "reward.model_path"
         if os.path.isfile(os.path.expanduser(str(model_path))):
@@ -123,14 +136,16 @@ class ImageReward(Reward):
             med_path = resolve_file(med_src, med_config, "ImageReward med_config", "reward.med_config")
         with load_guard("ImageReward med_config", med_path, "reward.med_config"):
             med = MedConfig.from_json_file(med_path)
-        sd = load_state_dict(ckpt_path, "ImageReward checkpoint", key, weights_only=weights_only)
+        sd = load_state_dict(ckpt_path, "ImageReward checkpoint", key)
         with load_guard("ImageReward checkpoint", ckpt_path, key):
             vit = VisionTransformer.sizes_from_state_dict(sd, "blip.visual_encoder.")
             vit["num_heads"] = int(vit_num_heads)
             model = ImageRewardModel(med, vit)
             res = model.load_state_dict(sd, strict=False)
         check_keys(res.missing_keys, "ImageReward checkpoint", ckpt_path, key)
-        self.model = model.eval().to(self.device, self.dtype).requires_grad_(False)
+        model = model.eval().to(self.device, self.dtype).requires_grad_(False)
+        model.mlp.float()  # the head runs in fp32 whatever reward.dtype (forward feeds it h[:, 0].float())
+        self.model = model
         self.tokenizer = blip_tokenizer(tokenizer_path)
         self.transform = image_transform(vit["img_size"])
         self.max_length, self.batch_size = int(max_length), batch_size
@@ -139,9 +154,13 @@ class ImageReward(Reward):
         return self.tokenizer(list(prompts), padding="max_length", truncation=True, max_length=self.max_length,
                               return_tensors="pt")
 
+    def pixels(self, images: Tensor) -> Tensor:
+        """(B, 3, H, W) in [0, 1] -> the (B, 3, 224, 224) fp32 tensor ImageReward feeds its ViT (module docstring)."""
+        return torch.stack([self.transform(im) for im in to_pil(images)])
+
     @torch.no_grad()
     def score(self, images: Tensor, prompts: Sequence[str], meta: Sequence[dict] | None) -> RewardOut:
-        pix = torch.stack([self.transform(im) for im in to_pil(images)]).to(self.device, self.dtype)
+        pix = self.pixels(images).to(self.device, self.dtype)
         tok = self.tokenize(prompts)
         reward, raw = self.model(pix, tok["input_ids"].to(self.device), tok["attention_mask"].to(self.device))
         return RewardOut(reward.float(), {"raw": raw.float()})

@@ -3,15 +3,22 @@
 Weights are named the same way everywhere: a Hugging Face repo id (``org/name``), a local directory (a
 ``save_pretrained`` folder or a folder holding the named file), a local file, or (for files only) an http(s) URL.
 Anything that cannot be loaded raises :class:`~stepflow.rewards.errors.RewardLoadError` with one line naming what
-was being loaded and the config key that points at a local copy.
+was being loaded and the config key that points at a local copy. Torch pickles are only ever read with
+``torch.load(..., weights_only=True)`` (:func:`torch_load_weights_only`): a checkpoint cannot run code.
+
+Images reach every reward model the same way: :func:`to_uint8` / :func:`to_pil` round the decoded float image to
+uint8 exactly as Flow-GRPO's scorers do, then each reward applies its official preprocessing to the PIL image.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Iterator
+import pickle
+import re
+from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -101,16 +108,44 @@ def resolve_file(spec: str, filename: str | None, what: str, key: str) -> str:
         return hf_hub_download(repo_id=spec, filename=filename)
 
 
-def load_state_dict(path: str, what: str, key: str, weights_only: bool = True) -> dict[str, Tensor]:
-    """Load a state dict from ``.safetensors`` or a torch pickle; unwraps ``{"state_dict": ...}`` / ``{"model": ...}``
-    and strips a DDP ``module.`` prefix."""
+def _refusal(e: Exception) -> str:
+    """The part of torch's weights-only refusal that says what the file wanted (one short phrase)."""
+    msg = str(e)
+    m = re.search(r"Unsupported global: GLOBAL (\S+)", msg)
+    if m:
+        return f"it pickles {m.group(1)}, which is not a tensor or a plain value"
+    m = re.search(r"WeightsUnpickler error:\s*([^\n]+)", msg)  # e.g. "Unsupported operand 149" (STACK_GLOBAL)
+    return one_line(m.group(1) if m else msg, 120)
+
+
+def torch_load_weights_only(path: str, what: str, key: str, safe_globals: Sequence[Any] = ()) -> Any:
+    """``torch.load(path, weights_only=True)``, allowing ``safe_globals`` on top of torch's default allowlist
+    (tensors, storages, ``OrderedDict``, containers and plain values). A file that pickles anything else is refused
+    before any of it runs: a one-line :class:`RewardLoadError` naming the path, what it pickles and ``key``."""
+    try:
+        with torch.serialization.safe_globals(list(safe_globals)):
+            return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        raise RewardLoadError(
+            f"cannot load {what} from '{path}' without running code from it: torch.load(weights_only=True) refused "
+            f"it ({_refusal(e)}); if you trust the file, re-save its tensors as a plain state dict or .safetensors "
+            f"and set {key}=/path/to/that/file") from None
+
+
+def load_state_dict(path: str, what: str, key: str, safe_globals: Sequence[Any] = ()) -> dict[str, Tensor]:
+    """Load a state dict from ``.safetensors`` or a torch pickle, never running code from the file.
+
+    Pickles always go through :func:`torch_load_weights_only` (``weights_only=True``; there is no switch to turn it
+    off: a trusted file that needs more is re-saved once as a plain state dict). Unwraps ``{"state_dict": ...}`` /
+    ``{"model": ...}`` and strips a DDP ``module.`` prefix.
+    """
     with load_guard(what, path, key):
         if path.endswith(".safetensors"):
             from safetensors.torch import load_file
 
             sd = load_file(path)
         else:
-            sd = torch.load(path, map_location="cpu", weights_only=weights_only)
+            sd = torch_load_weights_only(path, what, key, safe_globals)
         for k in ("state_dict", "model"):
             if isinstance(sd, dict) and k in sd and isinstance(sd[k], dict):
                 sd = sd[k]
