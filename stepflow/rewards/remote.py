@@ -21,6 +21,7 @@ the training loop can checkpoint and stop cleanly. A reply that is not what the 
 from __future__ import annotations
 
 import base64
+import binascii
 import http.client
 import io
 import json
@@ -50,6 +51,10 @@ RETRY_STATUS = frozenset({408, 429, 500, 502, 503, 504})
 # ---------------------------------------------------------------- images <-> base64 PNG
 
 
+class ImageLimitError(ValueError):
+    """An image (or a request's images together) has more pixels than allowed; raised from the header, undecoded."""
+
+
 def png_b64(img: np.ndarray | Image.Image) -> str:
     """(H, W, 3) uint8 array or PIL image -> base64 (ASCII) of its lossless PNG encoding."""
     im = img if isinstance(img, Image.Image) else Image.fromarray(img)
@@ -63,21 +68,57 @@ def encode_images(images: Tensor) -> list[str]:
     return [png_b64(a) for a in to_uint8(images)]
 
 
-def decode_images(items: Sequence[str]) -> Tensor:
-    """B base64 PNG (or JPEG) strings of one size -> (B, 3, H, W) float in [0, 1]."""
-    arrays = []
-    for i, s in enumerate(items):
-        if not isinstance(s, str):
-            raise ValueError(f"images[{i}] must be a base64 string, got {type(s).__name__}")
-        if s.startswith("data:"):
-            s = s.split(",", 1)[-1]
-        with Image.open(io.BytesIO(base64.b64decode(s, validate=True))) as im:
-            arrays.append(np.asarray(im.convert("RGB")))
-    if len({a.shape for a in arrays}) > 1:
-        raise ValueError(f"all images of a request must have one size, got {sorted({a.shape for a in arrays})}")
-    if not arrays:
-        return torch.zeros(0, 3, 1, 1)
-    return torch.from_numpy(np.stack(arrays)).permute(0, 3, 1, 2).float() / 255.0
+def decode_images(items: Sequence[str], max_image_pixels: int | None = None,
+                  max_total_pixels: int | None = None) -> Tensor:
+    """B base64 PNG (or JPEG) strings of one size -> (B, 3, H, W) float in [0, 1].
+
+    Every header is read first (PIL opens lazily): sizes over ``max_image_pixels`` (one image) or
+    ``max_total_pixels`` (all of them) raise :class:`ImageLimitError`, and images of different sizes a ValueError,
+    before any pixel is decoded."""
+    opened: list[Image.Image] = []
+    try:
+        total = 0
+        for i, s in enumerate(items):
+            if not isinstance(s, str):
+                raise ValueError(f"images[{i}] must be a base64 string, got {type(s).__name__}")
+            if s.startswith("data:"):
+                s = s.split(",", 1)[-1]
+            try:
+                raw = base64.b64decode(s, validate=True)
+            except (binascii.Error, ValueError):
+                raise ValueError(f"images[{i}] is not valid base64") from None
+            try:
+                im = Image.open(io.BytesIO(raw), formats=("PNG", "JPEG"))
+            except Image.DecompressionBombError as e:
+                raise ImageLimitError(f"images[{i}]: {one_line(e, 160)}") from None
+            except Exception as e:  # noqa: BLE001 - UnidentifiedImageError, struct errors from a broken header
+                raise ValueError(f"images[{i}] is not a PNG or JPEG image ({type(e).__name__})") from None
+            opened.append(im)
+            w, h = im.size
+            if max_image_pixels is not None and w * h > max_image_pixels:
+                raise ImageLimitError(f"images[{i}] is {w}x{h} = {w * h} pixels; the limit is {max_image_pixels} "
+                                      f"pixels per image (max_image_pixels)")
+            total += w * h
+            if max_total_pixels is not None and total > max_total_pixels:
+                raise ImageLimitError(f"images[0..{i}] hold {total} pixels; the limit is {max_total_pixels} pixels "
+                                      f"per request (max_request_pixels): send smaller batches")
+            if im.size != opened[0].size:
+                raise ValueError(f"all images of a request must have one size, got {opened[0].size[0]}x"
+                                 f"{opened[0].size[1]} and {w}x{h} (images[{i}])")
+        if not opened:
+            return torch.zeros(0, 3, 1, 1)
+        w, h = opened[0].size
+        out = torch.empty(len(opened), 3, h, w)
+        for i, im in enumerate(opened):
+            try:
+                arr = np.array(im.convert("RGB"))  # a writable (H, W, 3) uint8 copy
+            except Exception as e:  # noqa: BLE001 - truncated / corrupt pixel data
+                raise ValueError(f"images[{i}] cannot be decoded ({type(e).__name__}: {one_line(e, 120)})") from None
+            out[i] = torch.from_numpy(arr).permute(2, 0, 1)
+        return out.div_(255.0)
+    finally:
+        for im in opened:
+            im.close()
 
 
 def _jsonable(x: Any) -> Any:
