@@ -11,27 +11,39 @@ Protocol (JSON, UTF-8; never pickle)::
     4xx / 5xx    {"error": "<one line>"}
     GET  /health {"status": "ok", "reward": "<name>"}
 
-Failure policy (shared with :mod:`stepflow.rewards.unifiedreward`): timeouts, connection errors, 429 and 5xx are
+A score may be ``NaN`` / ``Infinity`` (Python's JSON extension) or ``null`` (read as NaN): such scores are kept,
+counted and named in one warning per call; the training loop drops non-finite samples.
+
+Failure policy (shared with :mod:`stepflow.rewards.unifiedreward`): timeouts, connection errors, 408, 429 and 5xx are
 retried ``max_retries`` times with exponential backoff ``backoff_s · 2^attempt`` (capped at ``max_backoff_s``);
 then, or at once on any other 4xx, :class:`RewardServiceError` is raised (one line: URL, attempts, last error), so
 the training loop can checkpoint and stop cleanly. A reply that is not what the protocol promises raises
 :class:`MalformedReplyError` naming what was expected.
+
+Waiting is interruptible: the HTTP exchange runs in a daemon thread while the caller waits in slices of
+``POLL_S`` seconds, so :mod:`stepflow.stop` (set by the training run's SIGTERM handler) raises
+:class:`~stepflow.stop.StopRequested` within about ``POLL_S``, during a request or a back-off. ``timeout_s`` bounds
+each attempt in total (not per socket read), and a request still waiting logs a warning every
+``progress_every_s`` seconds.
 """
 
 from __future__ import annotations
 
 import base64
 import binascii
+import concurrent.futures as cf
 import http.client
 import io
 import json
 import logging
+import math
+import numbers
 import socket
+import threading
 import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -39,6 +51,7 @@ import torch
 from PIL import Image
 from torch import Tensor
 
+from stepflow import stop
 from stepflow.rewards.base import Reward, RewardOut
 from stepflow.rewards.errors import MalformedReplyError, RewardServiceError, one_line
 from stepflow.rewards.loading import to_uint8
@@ -46,6 +59,8 @@ from stepflow.rewards.loading import to_uint8
 log = logging.getLogger(__name__)
 
 RETRY_STATUS = frozenset({408, 429, 500, 502, 503, 504})
+#: the longest a wait goes without looking at :data:`stepflow.stop.STOP` (seconds)
+POLL_S = 0.25
 
 
 # ---------------------------------------------------------------- images <-> base64 PNG
@@ -131,26 +146,96 @@ def _jsonable(x: Any) -> Any:
     raise TypeError(f"meta value of type {type(x).__name__} is not JSON-serializable")
 
 
-# ---------------------------------------------------------------- HTTP with retries
+# ---------------------------------------------------------------- interruptible HTTP with retries
 
 
-def post_json(url: str, payload: dict, *, timeout_s: float, max_retries: int, backoff_s: float,
-              max_backoff_s: float = 60.0, headers: dict[str, str] | None = None, what: str = "reward service",
-              sleep: Callable[[float], None] = time.sleep) -> Any:
-    """POST ``payload`` as JSON and return the decoded JSON reply, with the retry policy of the module docstring."""
-    body = json.dumps(payload, default=_jsonable).encode()
-    hdrs = {"Content-Type": "application/json", "Accept": "application/json", **(headers or {})}
+class _ReplyTooLarge(OSError):
+    pass
+
+
+class _Cancelled(Exception):
+    """A call of :func:`map_interruptible` whose result is no longer wanted (another one failed)."""
+
+
+_local = threading.local()  # .cancel: the threading.Event of the map_interruptible call this thread works for
+
+
+def _check() -> None:
+    """Raise StopRequested on a stop request, _Cancelled when this thread's map_interruptible call was abandoned."""
+    stop.check()
+    cancel = getattr(_local, "cancel", None)
+    if cancel is not None and cancel.is_set():
+        raise _Cancelled
+
+
+def backoff_wait(seconds: float) -> None:
+    """The retry back-off: sleeps ``seconds`` in :data:`POLL_S` slices, raising StopRequested on a stop request."""
+    end = time.monotonic() + max(0.0, float(seconds))
+    while True:
+        _check()
+        left = end - time.monotonic()
+        if left <= 0:
+            return
+        stop.wait(min(POLL_S, left))
+
+
+def _exchange(req: urllib.request.Request, *, timeout_s: float, max_reply_bytes: int, what: str, url: str,
+              desc: str, progress_every_s: float) -> bytes:
+    """One HTTP exchange, run in a daemon thread while this one waits in :data:`POLL_S` slices: raises
+    StopRequested as soon as a stop is requested, TimeoutError after ``timeout_s`` in total, and logs a warning
+    every ``progress_every_s`` seconds of waiting. Returns the reply body; HTTP errors are raised as urllib's."""
+    _check()
+    box: dict[str, Any] = {}
+    done = threading.Event()
+
+    def work() -> None:
+        try:
+            with urllib.request.urlopen(req, timeout=timeout_s) as resp:
+                raw = resp.read(max_reply_bytes + 1)
+            if len(raw) > max_reply_bytes:
+                raise _ReplyTooLarge(f"reply over {max_reply_bytes} bytes (max_reply_mb)")
+            box["raw"] = raw
+        except BaseException as e:  # noqa: BLE001 - handed to the waiting thread
+            box["exc"] = e
+        finally:
+            done.set()
+
+    threading.Thread(target=work, name="stepflow-reward-http", daemon=True).start()
+    t0 = time.monotonic()
+    next_log = progress_every_s if progress_every_s and progress_every_s > 0 else math.inf
+    while not done.wait(POLL_S):
+        _check()  # the worker is abandoned: its socket times out on its own, the process is stopping anyway
+        waited = time.monotonic() - t0
+        if waited >= timeout_s:
+            raise TimeoutError(f"no complete reply within {timeout_s:g}s")
+        if waited >= next_log:
+            log.warning("%s: waiting %.0f s for %s (%s)", what, waited, url, desc)
+            next_log += progress_every_s
+    if "exc" in box:
+        raise box["exc"]
+    return box["raw"]
+
+
+def post(url: str, body: bytes, *, content_type: str, timeout_s: float, max_retries: int, backoff_s: float,
+         max_backoff_s: float = 60.0, headers: dict[str, str] | None = None, what: str = "reward service",
+         sleep: Callable[[float], None] = backoff_wait, progress_every_s: float = 10.0, desc: str = "",
+         max_reply_mb: float = 64.0) -> bytes:
+    """POST ``body`` and return the reply body, with the retry policy and interruptible waits of the module
+    docstring. ``sleep`` is the back-off wait (default :func:`backoff_wait`, interruptible)."""
+    hdrs = {"Content-Type": content_type, **(headers or {})}
     last = "no attempt"
     attempts = max(0, int(max_retries)) + 1
+    max_reply_bytes = int(float(max_reply_mb) * 2**20)
     for attempt in range(attempts):
         if attempt:
             delay = min(backoff_s * 2 ** (attempt - 1), max_backoff_s)
             log.warning("%s: %s; retry %d/%d in %.2fs", what, last, attempt, attempts - 1, delay)
             sleep(delay)
         req = urllib.request.Request(url, data=body, headers=hdrs, method="POST")
+        info = ", ".join(x for x in (desc, f"attempt {attempt + 1}/{attempts}", f"timeout {timeout_s:g} s") if x)
         try:
-            with urllib.request.urlopen(req, timeout=timeout_s) as resp:
-                raw = resp.read()
+            return _exchange(req, timeout_s=timeout_s, max_reply_bytes=max_reply_bytes, what=what, url=url,
+                             desc=info, progress_every_s=progress_every_s)
         except urllib.error.HTTPError as e:
             detail = _error_detail(e)
             last = f"HTTP {e.code}{': ' + detail if detail else ''}"
@@ -160,6 +245,8 @@ def post_json(url: str, payload: dict, *, timeout_s: float, max_retries: int, ba
         except TimeoutError as e:
             last = f"timeout after {timeout_s:g}s ({one_line(e, 80) or 'no reply'})"
             continue
+        except _ReplyTooLarge as e:
+            raise MalformedReplyError(f"{what}: POST {url} answered a {one_line(e)}") from None
         except urllib.error.URLError as e:
             reason = e.reason
             if isinstance(reason, (TimeoutError, socket.timeout)):
@@ -170,44 +257,119 @@ def post_json(url: str, payload: dict, *, timeout_s: float, max_retries: int, ba
         except (http.client.HTTPException, ConnectionError, OSError) as e:
             last = f"{type(e).__name__}: {one_line(e, 120)}"
             continue
-        try:
-            return json.loads(raw)
-        except ValueError:
-            raise MalformedReplyError(f"{what}: POST {url} answered non-JSON ({one_line(raw[:120])!r}); "
-                                      f"expected a JSON object") from None
     raise RewardServiceError(f"{what}: POST {url} failed after {attempts} attempt(s) (last error: {last}); "
                              f"is the service running and reachable?")
 
 
+def post_json(url: str, payload: dict, *, timeout_s: float, max_retries: int, backoff_s: float,
+              max_backoff_s: float = 60.0, headers: dict[str, str] | None = None, what: str = "reward service",
+              sleep: Callable[[float], None] = backoff_wait, progress_every_s: float = 10.0, desc: str = "",
+              max_reply_mb: float = 64.0) -> Any:
+    """POST ``payload`` as JSON and return the decoded JSON reply (:func:`post`'s policy)."""
+    body = json.dumps(payload, default=_jsonable).encode()
+    raw = post(url, body, content_type="application/json", headers={"Accept": "application/json", **(headers or {})},
+               timeout_s=timeout_s, max_retries=max_retries, backoff_s=backoff_s, max_backoff_s=max_backoff_s,
+               what=what, sleep=sleep, progress_every_s=progress_every_s, desc=desc, max_reply_mb=max_reply_mb)
+    try:
+        return json.loads(raw)
+    except ValueError:
+        raise MalformedReplyError(f"{what}: POST {url} answered non-JSON ({one_line(raw[:120])!r}); "
+                                  f"expected a JSON object") from None
+
+
 def _error_detail(e: urllib.error.HTTPError) -> str:
     try:
-        data = e.read()
+        data = e.read(64 * 1024)
         try:
             return one_line(json.loads(data).get("error", data.decode(errors="replace")), 200)
         except (ValueError, AttributeError):
-            return one_line(data.decode(errors="replace"), 200)
+            text = data.decode(errors="replace").strip()
+            if text.startswith("Traceback"):  # a Python server's traceback (Flow-GRPO's reward-server): its last line
+                text = f"{text.splitlines()[-1]} (server traceback)"
+            return one_line(text, 200)
     except Exception:  # noqa: BLE001
         return ""
 
 
+def map_interruptible(fn: Callable[..., Any], calls: Sequence[tuple], *, concurrency: int, what: str = "reward",
+                      url: str = "", unit: str = "requests", progress_every_s: float = 0.0) -> list[Any]:
+    """``[fn(*c) for c in calls]`` on ``concurrency`` threads while this thread waits in :data:`POLL_S` slices:
+    the first exception (or a stop request: StopRequested) cancels what has not started and is raised at once;
+    a warning every ``progress_every_s`` seconds says how many calls are done."""
+    if not calls:
+        return []
+    stop.check()
+    cancel = threading.Event()
+
+    def run(*c: Any) -> Any:
+        _local.cancel = cancel
+        try:
+            _check()
+            return fn(*c)
+        finally:
+            _local.cancel = None
+
+    pool = cf.ThreadPoolExecutor(max_workers=max(1, min(int(concurrency), len(calls))),
+                                 thread_name_prefix="stepflow-reward")
+    try:
+        futs = [pool.submit(run, *c) for c in calls]
+        t0 = time.monotonic()
+        next_log = progress_every_s if progress_every_s and progress_every_s > 0 else math.inf
+        while True:
+            done, pending = cf.wait(futs, timeout=POLL_S, return_when=cf.FIRST_EXCEPTION)
+            for f in done:
+                if f.exception() is not None and not isinstance(f.exception(), _Cancelled):
+                    raise f.exception()
+            if not pending:
+                return [f.result() for f in futs]
+            stop.check()
+            waited = time.monotonic() - t0
+            if waited >= next_log:
+                log.warning("%s: %d/%d %s done after %.0f s, waiting for %s", what, len(done), len(futs), unit,
+                            waited, url)
+                next_log += progress_every_s
+    finally:
+        cancel.set()  # calls still running give up within POLL_S (their threads must not outlive the call)
+        pool.shutdown(wait=False, cancel_futures=True)
+
+
+# ---------------------------------------------------------------- replies
+
+
+def _vec(x: Any, n: int, field: str, what: str, url: str, expected: str) -> Tensor:
+    """A list of ``n`` real numbers (``null`` -> NaN) -> (n,) float32; anything else is a MalformedReplyError."""
+    if not isinstance(x, (list, tuple)) or len(x) != n or not all(
+            v is None or (isinstance(v, numbers.Real) and not isinstance(v, (bool, np.bool_))) for v in x):
+        desc = f"a list of {len(x)}" if isinstance(x, (list, tuple)) else type(x).__name__
+        raise MalformedReplyError(f"{what}: reply from {url}: '{field}' is {desc}; {expected}")
+    return torch.tensor([math.nan if v is None else float(v) for v in x], dtype=torch.float32)
+
+
 def parse_reply(data: Any, n: int, what: str, url: str) -> RewardOut:
-    """Check a ``{"scores": [n floats], "components": {name: [n floats]}}`` reply and turn it into a RewardOut."""
+    """Check a ``{"scores": [n floats], "components": {name: [n floats]}}`` reply and turn it into a RewardOut.
+    Non-finite numbers (NaN, inf; ``null`` is read as NaN) are kept: :func:`warn_non_finite` counts them."""
     expected = f'expected {{"scores": [{n} numbers], "components": {{name: [{n} numbers]}}}}'
     if not isinstance(data, dict) or "scores" not in data:
         got = sorted(data)[:5] if isinstance(data, dict) else type(data).__name__
         raise MalformedReplyError(f"{what}: reply from {url} has no 'scores' (got {got}); {expected}")
-
-    def vec(x: Any, field: str) -> Tensor:
-        if not isinstance(x, list) or len(x) != n or not all(isinstance(v, (int, float)) and not isinstance(v, bool)
-                                                               for v in x):
-            desc = f"a list of {len(x)}" if isinstance(x, list) else type(x).__name__
-            raise MalformedReplyError(f"{what}: reply from {url}: '{field}' is {desc}; {expected}")
-        return torch.tensor(x, dtype=torch.float32)
-
     comps = data.get("components") or {}
     if not isinstance(comps, dict):
         raise MalformedReplyError(f"{what}: reply from {url}: 'components' is {type(comps).__name__}; {expected}")
-    return RewardOut(vec(data["scores"], "scores"), {str(k): vec(v, f"components.{k}") for k, v in comps.items()})
+    return RewardOut(_vec(data["scores"], n, "scores", what, url, expected),
+                     {str(k): _vec(v, n, f"components.{k}", what, url, expected) for k, v in comps.items()})
+
+
+def warn_non_finite(out: RewardOut, what: str, url: str) -> int:
+    """Log one warning naming how many scores (and component values) of ``out`` are NaN / inf; returns the count
+    of non-finite scores."""
+    bad = int((~torch.isfinite(out.scores)).sum())
+    bad_c = {k: int((~torch.isfinite(v)).sum()) for k, v in out.components.items()}
+    bad_c = {k: v for k, v in bad_c.items() if v}
+    if bad or bad_c:
+        comp = f"; non-finite component values: {', '.join(f'{k} {v}' for k, v in bad_c.items())}" if bad_c else ""
+        log.warning("%s: %d of %d scores from %s are not finite (NaN / inf); the training loop drops those "
+                    "samples%s", what, bad, out.scores.numel(), url, comp)
+    return bad
 
 
 # ---------------------------------------------------------------- the client reward
@@ -217,7 +379,10 @@ class RemoteReward(Reward):
     """Scores by POSTing batches to a ``stepflow.serve_reward`` service (or any server speaking the protocol).
 
     url: the endpoint (``http://127.0.0.1:18085``); request_batch_size: images per request; concurrency: requests
-    in flight at once; send_meta: include ``meta`` (must be JSON-serializable); headers: extra HTTP headers.
+    in flight at once; send_meta: include ``meta`` (must be JSON-serializable); headers: extra HTTP headers;
+    timeout_s: the longest one attempt may take in total; progress_every_s: a warning every N seconds while a
+    request waits (0: off); max_reply_mb: the largest reply read.
+
     Components are whatever the service returns.
     """
 
@@ -226,37 +391,50 @@ class RemoteReward(Reward):
 
     def __init__(self, url: str = "http://127.0.0.1:18085", request_batch_size: int = 64, concurrency: int = 1,
                  timeout_s: float = 120.0, max_retries: int = 5, backoff_s: float = 1.0, max_backoff_s: float = 60.0,
-                 send_meta: bool = True, headers: dict[str, str] | None = None, name: str | None = None):
+                 send_meta: bool = True, headers: dict[str, str] | None = None, name: str | None = None,
+                 progress_every_s: float = 10.0, max_reply_mb: float = 64.0):
         self.url = url
-        self.request_batch_size = int(request_batch_size)
+        self.request_batch_size = max(1, int(request_batch_size))
         self.concurrency = max(1, int(concurrency))
         self.timeout_s, self.max_retries = float(timeout_s), int(max_retries)
         self.backoff_s, self.max_backoff_s = float(backoff_s), float(max_backoff_s)
         self.send_meta = bool(send_meta)
         self.headers = dict(headers or {})
+        self.progress_every_s, self.max_reply_mb = float(progress_every_s or 0), float(max_reply_mb)
         if name:
             self.name = name
-        self._sleep: Callable[[float], None] = time.sleep
+        self._sleep: Callable[[float], None] = backoff_wait
+
+    def _post(self, body: bytes, content_type: str, n: int) -> bytes:
+        return post(self.url, body, content_type=content_type, timeout_s=self.timeout_s,
+                    max_retries=self.max_retries, backoff_s=self.backoff_s, max_backoff_s=self.max_backoff_s,
+                    headers=self.headers, what=f"reward {self.name}", sleep=self._sleep,
+                    progress_every_s=self.progress_every_s, desc=f"batch {n}", max_reply_mb=self.max_reply_mb)
 
     def _request(self, images: Tensor, prompts: Sequence[str], meta: Sequence[dict] | None) -> RewardOut:
+        what = f"reward {self.name}"
         payload = {"images": encode_images(images), "prompts": list(prompts),
                    "meta": list(meta) if (meta is not None and self.send_meta) else None}
-        data = post_json(self.url, payload, timeout_s=self.timeout_s, max_retries=self.max_retries,
-                         backoff_s=self.backoff_s, max_backoff_s=self.max_backoff_s, headers=self.headers,
-                         what=f"reward {self.name}", sleep=self._sleep)
-        return parse_reply(data, len(prompts), f"reward {self.name}", self.url)
+        raw = self._post(json.dumps(payload, default=_jsonable).encode(), "application/json", len(prompts))
+        try:
+            data = json.loads(raw)
+        except ValueError:
+            raise MalformedReplyError(f"{what}: POST {self.url} answered non-JSON ({one_line(raw[:120])!r}); "
+                                      f"expected a JSON object") from None
+        return parse_reply(data, len(prompts), what, self.url)
 
     def score(self, images: Tensor, prompts: Sequence[str], meta: Sequence[dict] | None) -> RewardOut:
         step = self.request_batch_size
         chunks = [(images[i:i + step], prompts[i:i + step], None if meta is None else meta[i:i + step])
                   for i in range(0, len(prompts), step)]
-        if self.concurrency == 1 or len(chunks) == 1:
-            outs = [self._request(*c) for c in chunks]
-        else:
-            with ThreadPoolExecutor(max_workers=min(self.concurrency, len(chunks))) as pool:
-                outs = list(pool.map(lambda c: self._request(*c), chunks))
+        if not chunks:
+            return RewardOut(torch.zeros(0))
+        outs = map_interruptible(self._request, chunks, concurrency=self.concurrency, what=f"reward {self.name}",
+                                 url=self.url)
         keys = set(outs[0].components)
         if any(set(o.components) != keys for o in outs):
             raise MalformedReplyError(f"reward {self.name}: replies from {self.url} disagree on component names")
-        return RewardOut(torch.cat([o.scores for o in outs]),
-                         {k: torch.cat([o.components[k] for o in outs]) for k in sorted(keys)})
+        out = RewardOut(torch.cat([o.scores for o in outs]),
+                        {k: torch.cat([o.components[k] for o in outs]) for k in sorted(keys)})
+        warn_non_finite(out, f"reward {self.name}", self.url)
+        return out
