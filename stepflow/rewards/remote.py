@@ -1,10 +1,11 @@
-"""Rewards served over HTTP: the JSON protocol of ``python -m stepflow.serve_reward`` and its client.
+"""Rewards served over HTTP: the JSON protocol of ``python -m stepflow.serve_reward`` and its client, and a client
+for the GenEval reward server that Flow-GRPO's users run (``protocol="flow_grpo"``).
 
 Some rewards need their own environment (GenEval's mmdet, PaddleOCR, a VLM): run them in a separate process or
 machine with ``python -m stepflow.serve_reward reward=<name> port=<port>`` and score through
 ``reward=remote reward.url=http://host:port`` (or ``reward=geneval_server``). Only the standard library is used.
 
-Protocol (JSON, UTF-8; never pickle)::
+stepflow's protocol (``protocol="stepflow"``, the default; JSON, UTF-8; never pickle)::
 
     POST <url>   {"images": ["<base64 PNG>", ...], "prompts": ["...", ...], "meta": [{...}, ...] | null}
     200          {"scores": [float, ...], "components": {"<name>": [float, ...], ...}}
@@ -13,6 +14,18 @@ Protocol (JSON, UTF-8; never pickle)::
 
 A score may be ``NaN`` / ``Infinity`` (Python's JSON extension) or ``null`` (read as NaN): such scores are kept,
 counted and named in one warning per call; the training loop drops non-finite samples.
+
+Flow-GRPO's GenEval server (``protocol="flow_grpo"``; github ``yifan123/reward-server`` ``app_geneval.py``, client
+``flow_grpo/rewards.py`` ``geneval_score``)::
+
+    POST <url>   pickle({"images": [JPEG bytes, ...], "meta_datas": [GenEval metadata dict, ...],
+                         "only_strict": bool})                       (Content-Type: application/octet-stream)
+    200          pickle({"scores": [partial credit], "rewards": [0/1 GenEval rule], "strict_rewards": [0/1 exact],
+                         "group_rewards": {tag: [...]}, "group_strict_rewards": {tag: [...]}})
+    500          the server's traceback as text
+
+Its replies are unpickled (with an unpickler that refuses every class but plain data and numpy scalars / arrays),
+so that server must be trusted: a warning says so once.
 
 Failure policy (shared with :mod:`stepflow.rewards.unifiedreward`): timeouts, connection errors, 408, 429 and 5xx are
 retried ``max_retries`` times with exponential backoff ``backoff_s · 2^attempt`` (capped at ``max_backoff_s``);
@@ -38,6 +51,7 @@ import json
 import logging
 import math
 import numbers
+import pickle
 import socket
 import threading
 import time
@@ -61,6 +75,9 @@ log = logging.getLogger(__name__)
 RETRY_STATUS = frozenset({408, 429, 500, 502, 503, 504})
 #: the longest a wait goes without looking at :data:`stepflow.stop.STOP` (seconds)
 POLL_S = 0.25
+PROTOCOLS = ("stepflow", "flow_grpo")
+#: ``geneval_score`` -> the field of the GenEval server's reply that becomes ``scores``
+GENEVAL_SCORES = {"partial": "scores", "strict": "strict_rewards", "correct": "rewards"}
 
 
 # ---------------------------------------------------------------- images <-> base64 PNG
@@ -81,6 +98,17 @@ def png_b64(img: np.ndarray | Image.Image) -> str:
 def encode_images(images: Tensor) -> list[str]:
     """(B, 3, H, W) in [0, 1] -> B base64 PNG strings (uint8-rounded, as every reward sees them)."""
     return [png_b64(a) for a in to_uint8(images)]
+
+
+def encode_jpeg(images: Tensor, quality: int = 75) -> list[bytes]:
+    """(B, 3, H, W) in [0, 1] -> B JPEG files (bytes), as Flow-GRPO's ``geneval_score`` sends them (PIL's default
+    quality is 75)."""
+    out = []
+    for a in to_uint8(images):
+        buf = io.BytesIO()
+        Image.fromarray(a).save(buf, format="JPEG", quality=int(quality))
+        out.append(buf.getvalue())
+    return out
 
 
 def decode_images(items: Sequence[str], max_image_pixels: int | None = None,
@@ -372,6 +400,71 @@ def warn_non_finite(out: RewardOut, what: str, url: str) -> int:
     return bad
 
 
+class _DataUnpickler(pickle.Unpickler):
+    """Unpickles plain data only: every global is refused except containers and numpy scalars / arrays."""
+
+    ALLOWED = frozenset({
+        ("builtins", "set"), ("builtins", "frozenset"), ("builtins", "bytearray"), ("builtins", "complex"),
+        ("builtins", "list"), ("builtins", "dict"), ("builtins", "float"), ("builtins", "int"),
+        ("collections", "OrderedDict"), ("collections", "defaultdict"),
+        ("numpy", "dtype"), ("numpy", "ndarray"),
+        ("numpy.core.multiarray", "scalar"), ("numpy._core.multiarray", "scalar"),
+        ("numpy.core.multiarray", "_reconstruct"), ("numpy._core.multiarray", "_reconstruct"),
+    })
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in self.ALLOWED:
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"refused to load {module}.{name} (only plain data is accepted)")
+
+
+def data_unpickle(raw: bytes) -> Any:
+    """``pickle.loads`` restricted to plain data (:class:`_DataUnpickler`); raises ``pickle.UnpicklingError``."""
+    return _DataUnpickler(io.BytesIO(raw)).load()
+
+
+def geneval_meta(meta: Sequence[dict] | None, prompts: Sequence[str], what: str) -> list[dict]:
+    """stepflow's per-prompt meta -> the ``meta_datas`` Flow-GRPO's GenEval server reads (``tag``, ``include``
+    [``class``, ``count``, optional ``color``, ``position``], optional ``exclude``, ``prompt``), as plain
+    builtins (JSON round trip: tensors / numpy become lists and numbers); ``prompt`` is filled in when absent."""
+    hint = ("GenEval metadata per prompt ('tag', 'include'), e.g. a .jsonl prompt file like Flow-GRPO's "
+            "dataset/geneval/train_metadata.jsonl")
+    if meta is None:
+        raise ValueError(f"{what}: protocol flow_grpo needs {hint}; got no meta")
+    out = []
+    for i, (m, p) in enumerate(zip(meta, prompts)):
+        if not isinstance(m, dict) or not isinstance(m.get("tag"), str) or not isinstance(m.get("include"), list):
+            got = sorted(m)[:6] if isinstance(m, dict) else type(m).__name__
+            raise ValueError(f"{what}: protocol flow_grpo needs {hint}; meta[{i}] is {got}")
+        m = json.loads(json.dumps(m, default=_jsonable))
+        m.setdefault("prompt", p)
+        out.append(m)
+    return out
+
+
+def parse_geneval_reply(data: Any, n: int, what: str, url: str, geneval_score: str,
+                        only_strict: bool) -> RewardOut:
+    """Check the GenEval server's reply (``scores``, ``rewards``, ``strict_rewards``: n numbers each;
+    ``group_rewards`` / ``group_strict_rewards``: dicts, not used) and pick ``scores`` by ``geneval_score``.
+    Components: ``partial``, ``strict`` and (unless ``only_strict``, when the server sends zeros) ``correct``."""
+    expected = (f"expected a pickled dict with 'scores', 'rewards', 'strict_rewards' ({n} numbers each) and dicts "
+                f"'group_rewards', 'group_strict_rewards' (reward-server app_geneval.py)")
+    if not isinstance(data, dict) or not all(k in data for k in ("scores", "rewards", "strict_rewards")):
+        got = sorted(map(str, data))[:6] if isinstance(data, dict) else type(data).__name__
+        raise MalformedReplyError(f"{what}: reply from {url} is not a GenEval reply (got {got}); {expected}")
+    for k in ("group_rewards", "group_strict_rewards"):
+        if k in data and not isinstance(data[k], dict):
+            raise MalformedReplyError(f"{what}: reply from {url}: '{k}' is {type(data[k]).__name__}; {expected}")
+    vals = {name: _vec(data[field], n, field, what, url, expected) for name, field in GENEVAL_SCORES.items()}
+    comps = {"partial": vals["partial"], "strict": vals["strict"]}
+    if not only_strict:
+        comps["correct"] = vals["correct"]
+    return RewardOut(vals[geneval_score], comps)
+
+
+_WARNED_PICKLE: set[str] = set()
+
+
 # ---------------------------------------------------------------- the client reward
 
 
@@ -383,7 +476,15 @@ class RemoteReward(Reward):
     timeout_s: the longest one attempt may take in total; progress_every_s: a warning every N seconds while a
     request waits (0: off); max_reply_mb: the largest reply read.
 
-    Components are whatever the service returns.
+    protocol: ``stepflow`` (JSON + PNG, the default) or ``flow_grpo`` (the pickle + JPEG protocol of Flow-GRPO's
+    GenEval reward server; see the module docstring). For ``flow_grpo``: geneval_score picks the reply field that
+    becomes the reward -- ``partial`` (``scores``, partial credit, what Flow-GRPO trains on), ``strict``
+    (``strict_rewards``: exact counts), ``correct`` (``rewards``: GenEval's own rule; needs only_strict=false);
+    only_strict is sent as is (true: the server skips the ``correct`` rule and answers zeros there);
+    jpeg_quality: of the JPEG images sent.
+
+    Components are whatever the service returns (``flow_grpo``: ``partial``, ``strict``, and ``correct`` unless
+    only_strict).
     """
 
     name = "remote"
@@ -392,7 +493,18 @@ class RemoteReward(Reward):
     def __init__(self, url: str = "http://127.0.0.1:18085", request_batch_size: int = 64, concurrency: int = 1,
                  timeout_s: float = 120.0, max_retries: int = 5, backoff_s: float = 1.0, max_backoff_s: float = 60.0,
                  send_meta: bool = True, headers: dict[str, str] | None = None, name: str | None = None,
-                 progress_every_s: float = 10.0, max_reply_mb: float = 64.0):
+                 progress_every_s: float = 10.0, max_reply_mb: float = 64.0, protocol: str = "stepflow",
+                 geneval_score: str = "partial", only_strict: bool = True, jpeg_quality: int = 75):
+        if protocol not in PROTOCOLS:
+            raise ValueError(f"remote reward: protocol must be one of {PROTOCOLS}, got {protocol!r}")
+        if geneval_score not in GENEVAL_SCORES:
+            raise ValueError(f"remote reward: geneval_score must be one of {tuple(GENEVAL_SCORES)}, "
+                             f"got {geneval_score!r}")
+        if protocol == "flow_grpo" and geneval_score == "correct" and only_strict:
+            raise ValueError("remote reward: geneval_score=correct needs only_strict=false (with only_strict the "
+                             "GenEval server answers 0 for every 'rewards' entry)")
+        if protocol == "flow_grpo" and not send_meta:
+            raise ValueError("remote reward: protocol flow_grpo always sends the GenEval metadata (send_meta=true)")
         self.url = url
         self.request_batch_size = max(1, int(request_batch_size))
         self.concurrency = max(1, int(concurrency))
@@ -401,9 +513,16 @@ class RemoteReward(Reward):
         self.send_meta = bool(send_meta)
         self.headers = dict(headers or {})
         self.progress_every_s, self.max_reply_mb = float(progress_every_s or 0), float(max_reply_mb)
+        self.protocol, self.geneval_score = protocol, geneval_score
+        self.only_strict, self.jpeg_quality = bool(only_strict), int(jpeg_quality)
         if name:
             self.name = name
         self._sleep: Callable[[float], None] = backoff_wait
+        if protocol == "flow_grpo" and url not in _WARNED_PICKLE:
+            _WARNED_PICKLE.add(url)
+            log.warning("reward %s: protocol flow_grpo (Flow-GRPO's GenEval reward-server) unpickles the replies of "
+                        "%s (classes other than plain data are refused, but pickle is not a safe format): use it "
+                        "only with a server you trust", self.name, url)
 
     def _post(self, body: bytes, content_type: str, n: int) -> bytes:
         return post(self.url, body, content_type=content_type, timeout_s=self.timeout_s,
@@ -413,6 +532,17 @@ class RemoteReward(Reward):
 
     def _request(self, images: Tensor, prompts: Sequence[str], meta: Sequence[dict] | None) -> RewardOut:
         what = f"reward {self.name}"
+        if self.protocol == "flow_grpo":
+            payload = {"images": encode_jpeg(images, self.jpeg_quality),
+                       "meta_datas": geneval_meta(meta, prompts, what), "only_strict": self.only_strict}
+            raw = self._post(pickle.dumps(payload), "application/octet-stream", len(prompts))
+            try:
+                data = data_unpickle(raw)
+            except Exception as e:  # noqa: BLE001 - anything a hostile or broken pickle raises
+                raise MalformedReplyError(f"{what}: POST {self.url} answered what is not a pickle of plain data "
+                                          f"({type(e).__name__}: {one_line(e, 120)}); expected the pickled dict of "
+                                          f"reward-server app_geneval.py") from None
+            return parse_geneval_reply(data, len(prompts), what, self.url, self.geneval_score, self.only_strict)
         payload = {"images": encode_images(images), "prompts": list(prompts),
                    "meta": list(meta) if (meta is not None and self.send_meta) else None}
         raw = self._post(json.dumps(payload, default=_jsonable).encode(), "application/json", len(prompts))
