@@ -310,3 +310,181 @@ def test_serve_reward_config_composes():
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         g = compose("serve_reward", overrides=["reward=geneval_server"]).reward
     assert g.url == "http://127.0.0.1:18085" and g._target_ == "stepflow.rewards.remote.RemoteReward"
+
+
+# ------------------------------------------------------------------ interruptible waits, progress, non-finite scores
+
+
+@pytest.fixture
+def stop_flag():
+    """stepflow.stop cleared before and after; ``later(s)`` requests a stop ``s`` seconds from now."""
+    from stepflow import stop
+
+    stop.clear()
+    timers = []
+
+    def later(seconds: float):
+        t = threading.Timer(seconds, stop.request, args=("SIGTERM (test)",))
+        t.start()
+        timers.append(t)
+
+    yield later
+    for t in timers:
+        t.cancel()
+    stop.clear()
+
+
+def _stoppable(url, **kw):
+    """A client with the real (interruptible) back-off."""
+    from stepflow.rewards.remote import RemoteReward
+
+    return RemoteReward(url=url, **{"timeout_s": 30, "max_retries": 0, "backoff_s": 0.01, **kw})
+
+
+def test_remote_stop_interrupts_a_hanging_request(stop_flag):
+    """The server takes 6 s; a stop requested after 0.3 s raises StopRequested within about a second."""
+    from stepflow.stop import StopRequested
+
+    with FakeServer(lambda *a: (200, {"scores": [0.5]}, 6.0)) as srv:
+        stop_flag(0.3)
+        t0 = time.monotonic()
+        with pytest.raises(StopRequested, match="SIGTERM"):
+            _stoppable(srv.url)(_images(1), ["x"])
+        assert time.monotonic() - t0 < 3.0
+
+
+def test_remote_stop_interrupts_the_backoff(stop_flag):
+    """A 503 then a 5 s back-off: the stop (after 0.3 s) ends the wait, no second attempt is made."""
+    from stepflow.stop import StopRequested
+
+    with FakeServer(lambda *a: (503, {"error": "warming up"}, 0.0)) as srv:
+        stop_flag(0.3)
+        t0 = time.monotonic()
+        with pytest.raises(StopRequested):
+            _stoppable(srv.url, max_retries=3, backoff_s=5.0)(_images(1), ["x"])
+        assert time.monotonic() - t0 < 3.0
+        assert len(srv.calls) == 1
+
+
+def test_remote_stop_already_requested_sends_nothing(stop_flag):
+    from stepflow import stop
+    from stepflow.stop import StopRequested
+
+    stop.request("test")
+    with FakeServer(_mean_reply) as srv:
+        with pytest.raises(StopRequested):
+            _stoppable(srv.url)(_images(2), ["a", "b"])
+        assert srv.calls == []
+
+
+def test_remote_slow_request_logs_progress(caplog):
+    """A request still waiting logs 'waiting N s for <url> (batch B, ...)' every progress_every_s, before any
+    timeout, and the reply still arrives."""
+    with FakeServer(lambda n, p, h, body: (200, {"scores": [0.25] * len(body["prompts"])}, 1.4)) as srv:
+        with caplog.at_level("WARNING", logger="stepflow.rewards.remote"):
+            out = _client(srv.url, timeout_s=30, progress_every_s=0.4)(_images(2), ["a", "b"])
+    assert out.scores.tolist() == [0.25, 0.25]
+    lines = [r.getMessage() for r in caplog.records if "waiting" in r.getMessage()]
+    assert 2 <= len(lines) <= 4, lines
+    assert srv.url in lines[0] and "batch 2" in lines[0] and "timeout 30 s" in lines[0]
+
+
+def test_remote_timeout_is_a_total_bound():
+    """A server that trickles its reply (a byte every 0.1 s, never idle for timeout_s) still times out after
+    timeout_s in total, not after the whole trickle."""
+    import socketserver
+
+    class Trickle(socketserver.BaseRequestHandler):
+        def handle(self):
+            self.request.recv(65536)
+            reply = json.dumps({"scores": [0.5]}).encode()
+            try:
+                self.request.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
+                                     b"Content-Length: %d\r\n\r\n" % len(reply))
+                for b in reply + b" " * 40:
+                    self.request.sendall(bytes([b]))
+                    time.sleep(0.1)
+            except OSError:
+                pass
+
+    srv = socketserver.ThreadingTCPServer(("127.0.0.1", 0), Trickle)
+    srv.daemon_threads = True
+    threading.Thread(target=srv.serve_forever, args=(0.05,), daemon=True).start()
+    try:
+        r = _client(f"http://127.0.0.1:{srv.server_address[1]}", timeout_s=0.6, max_retries=0)
+        t0 = time.monotonic()
+        with pytest.raises(RewardServiceError, match="timeout after 0.6s"):
+            r(_images(1), ["x"])
+        assert time.monotonic() - t0 < 1.8  # the trickle would take > 1.5 s
+    finally:
+        srv.shutdown()
+        srv.server_close()
+
+
+def test_remote_non_finite_scores_are_kept_counted_and_warned_once(caplog):
+    """NaN / Infinity (Python's JSON) and null (strict JSON servers) are read as non-finite scores: kept in place,
+    counted over the whole call (two requests here) and named in one warning."""
+    replies = {0: [float("nan"), 0.5, None], 1: [float("inf"), 0.25]}
+
+    def behave(n, path, headers, body):
+        first = body["prompts"][0] == "a"
+        return 200, {"scores": replies[0 if first else 1]}, 0.0
+
+    with FakeServer(behave) as srv:
+        with caplog.at_level("WARNING", logger="stepflow.rewards.remote"):
+            out = _client(srv.url, request_batch_size=3)(_images(5), ["a", "b", "c", "d", "e"])
+    s = out.scores
+    assert torch.isnan(s[0]) and s[1] == 0.5 and torch.isnan(s[2]) and torch.isinf(s[3]) and s[4] == 0.25
+    warned = [r.getMessage() for r in caplog.records if "not finite" in r.getMessage()]
+    assert len(warned) == 1 and "3 of 5 scores" in warned[0] and srv.url in warned[0]
+
+
+def test_remote_failure_does_not_wait_for_other_requests():
+    """With requests in flight in parallel, the first refusal (HTTP 400) is raised at once; the slow request in
+    flight is given up instead of waited for."""
+    def behave(n, path, headers, body):
+        if body["prompts"][0] == "slow":
+            return 200, {"scores": [0.5]}, 5.0
+        return 400, {"error": "bad prompt"}, 0.2
+
+    with FakeServer(behave) as srv:
+        t0 = time.monotonic()
+        with pytest.raises(RewardServiceError, match="bad prompt"):
+            _client(srv.url, request_batch_size=1, concurrency=2, timeout_s=30)(_images(2), ["slow", "bad"])
+        assert time.monotonic() - t0 < 3.0
+
+
+def test_unifiedreward_stop_and_progress(stop_flag, caplog):
+    """The chat client: progress 'k/n images done' while a judge call is slow, and a stop interrupts it."""
+    from stepflow.stop import StopRequested
+
+    def judge(n, path, headers, body):
+        caption = body["messages"][0]["content"][1]["text"].rsplit("[", 1)[1].rstrip("]")
+        return 200, _chat_reply("Final Score: 4"), (1.4 if caption == "slow" else 0.0)
+
+    with FakeServer(judge) as srv:
+        with caplog.at_level("WARNING", logger="stepflow.rewards.remote"):
+            out = _unified(srv.url, progress_every_s=0.4)(_images(3), ["a", "slow", "b"])
+        assert out.scores.tolist() == pytest.approx([0.8] * 3)
+        lines = [r.getMessage() for r in caplog.records if "images done" in r.getMessage()]
+        assert lines and "2/3 images done" in lines[0] and srv.url in lines[0]
+
+    with FakeServer(lambda *a: (200, _chat_reply("Final Score: 4"), 6.0)) as srv:
+        stop_flag(0.3)
+        t0 = time.monotonic()
+        with pytest.raises(StopRequested):
+            _unified(srv.url, timeout_s=30)(_images(4), ["a", "b", "c", "d"])
+        assert time.monotonic() - t0 < 3.0
+
+
+def test_unifiedreward_backoff_is_interruptible(stop_flag):
+    from stepflow.rewards.unifiedreward import UnifiedReward
+    from stepflow.stop import StopRequested
+
+    with FakeServer(lambda *a: (502, {}, 0.0)) as srv:
+        r = UnifiedReward(base_url=srv.url, image_size=16, timeout_s=30, max_retries=3, backoff_s=5.0)
+        stop_flag(0.3)
+        t0 = time.monotonic()
+        with pytest.raises(StopRequested):
+            r(_images(1), ["x"])
+        assert time.monotonic() - t0 < 3.0 and len(srv.calls) == 1

@@ -12,14 +12,17 @@ Flow-GRPO. Requests run ``concurrency`` at a time (threads) with the retry/backo
 :mod:`stepflow.rewards.remote`; exhausted retries raise ``RewardServiceError``. A reply without ``choices[0].message
 .content`` raises ``MalformedReplyError``; a reply without a parsable score does too unless
 ``on_missing_score: zero`` (Flow-GRPO's behaviour: score 0).
+
+Waits are interruptible as in :mod:`stepflow.rewards.remote`: a stop request (:mod:`stepflow.stop`, set by the
+training run's SIGTERM handler) raises ``StopRequested`` within a fraction of a second, during a request or a
+back-off; while requests are outstanding a warning every ``progress_every_s`` seconds says how many images are
+scored.
 """
 
 from __future__ import annotations
 
 import re
-import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -29,7 +32,7 @@ from torch import Tensor
 from stepflow.rewards.base import Reward, RewardOut
 from stepflow.rewards.errors import MalformedReplyError, one_line
 from stepflow.rewards.loading import to_pil
-from stepflow.rewards.remote import png_b64, post_json
+from stepflow.rewards.remote import backoff_wait, map_interruptible, png_b64, post_json
 
 #: the paper's UnifiedReward instruction (appendix E.3; straight quotes); PROMPT_TEMPLATE appends the caption
 PAPER_PROMPT = (
@@ -54,7 +57,9 @@ def parse_final_score(text: str) -> float | None:
 class UnifiedReward(Reward):
     """base_url: the server root (``http://127.0.0.1:17140``; a trailing ``/v1`` is accepted); model: the served
     model name; api_key: sent as ``Authorization: Bearer``; image_size: square resize before encoding (null: keep);
-    score_max: the judge's top score (reward = X / score_max). Component: ``raw`` (X on the 1-5 scale)."""
+    score_max: the judge's top score (reward = X / score_max); timeout_s: the longest one attempt may take;
+    progress_every_s: a progress warning every N seconds while requests are outstanding (0: off). Component:
+    ``raw`` (X on the 1-5 scale)."""
 
     name = "unifiedreward"
     batch_size = 1 << 30  # all images reach score(); requests fan out there
@@ -63,7 +68,7 @@ class UnifiedReward(Reward):
                  api_key: str | None = "flowgrpo", prompt_template: str = PROMPT_TEMPLATE, image_size: int | None = 512,
                  score_max: float = 5.0, temperature: float = 0.0, max_tokens: int | None = None,
                  concurrency: int = 16, timeout_s: float = 120.0, max_retries: int = 5, backoff_s: float = 1.0,
-                 max_backoff_s: float = 60.0, on_missing_score: str = "error"):
+                 max_backoff_s: float = 60.0, on_missing_score: str = "error", progress_every_s: float = 10.0):
         if on_missing_score not in ("error", "zero"):
             raise ValueError(f"unifiedreward: on_missing_score must be 'error' or 'zero', got {on_missing_score!r}")
         if "{prompt}" not in prompt_template:
@@ -79,7 +84,8 @@ class UnifiedReward(Reward):
         self.timeout_s, self.max_retries = float(timeout_s), int(max_retries)
         self.backoff_s, self.max_backoff_s = float(backoff_s), float(max_backoff_s)
         self.on_missing_score = on_missing_score
-        self._sleep: Callable[[float], None] = time.sleep
+        self.progress_every_s = float(progress_every_s or 0)
+        self._sleep: Callable[[float], None] = backoff_wait
 
     def request_body(self, image: Image.Image, prompt: str) -> dict[str, Any]:
         if self.image_size:
@@ -99,7 +105,8 @@ class UnifiedReward(Reward):
     def _one(self, image: Image.Image, prompt: str) -> float:
         data = post_json(self.url, self.request_body(image, prompt), timeout_s=self.timeout_s,
                          max_retries=self.max_retries, backoff_s=self.backoff_s, max_backoff_s=self.max_backoff_s,
-                         headers=self.headers, what=f"reward {self.name}", sleep=self._sleep)
+                         headers=self.headers, what=f"reward {self.name}", sleep=self._sleep,
+                         progress_every_s=0)  # score() logs the progress of all requests together
         try:
             text = data["choices"][0]["message"]["content"]
             if not isinstance(text, str):
@@ -119,6 +126,8 @@ class UnifiedReward(Reward):
 
     def score(self, images: Tensor, prompts: Sequence[str], meta: Sequence[dict] | None) -> RewardOut:
         pil = to_pil(images)
-        with ThreadPoolExecutor(max_workers=min(self.concurrency, max(1, len(pil)))) as pool:
-            raw = torch.tensor(list(pool.map(self._one, pil, prompts)), dtype=torch.float32)
+        got = map_interruptible(self._one, list(zip(pil, prompts)), concurrency=self.concurrency,
+                                what=f"reward {self.name}", url=self.url, unit="images",
+                                progress_every_s=self.progress_every_s)
+        raw = torch.tensor(got, dtype=torch.float32)
         return RewardOut(raw / self.score_max, {"raw": raw})
