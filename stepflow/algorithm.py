@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from stepflow import stop
 from stepflow.advantage import AdvantageEstimator, AdvantageOut
 from stepflow.config import LoopConfig, TrainConfig
 from stepflow.data import GroupSampler, IterationPlan
@@ -29,7 +30,7 @@ from stepflow.rollout import Scores, Trajectory, estimate_states, rollout, score
 from stepflow.sampler import SamplerConfig, sde_step
 
 __all__ = ["Learner", "Phases", "IterationResult", "iteration", "update", "step_loss", "trainable_steps",
-           "iteration_metrics"]
+           "finite_advantages", "iteration_metrics"]
 
 
 @dataclass
@@ -96,29 +97,65 @@ class IterationResult:
     update: dict[str, float]  #: the update's diagnostics
     phases: Phases
     stepwise: bool  #: rewards were computed at every state (else only R_T)
+    finite: Tensor  #: (B_global,) bool, the rows whose rewards were used (the others were dropped)
 
 
 def iteration(lr: Learner, it: int) -> IterationResult:
-    """GRPO iteration ``it`` (docs/method.md §10)."""
+    """GRPO iteration ``it`` (docs/method.md §10). A stop request (SIGTERM / SIGINT) abandons it at the next phase
+    boundary before the update (``StopRequested``); once the update has begun, the iteration finishes."""
     plan = lr.plan.plan(it)  # the same global plan on every rank; each rolls out its own rows
     mine = plan.shard(lr.dist.rank, lr.dist.world)
     steps, ph = lr.loop.num_steps, Phases(lr.policy)
     lr.policy.eval()
+    _stop_point(lr)
     with ph("rollout"):  # X_0 .. X_T and log π_old under the SDE sampler, no grad
         traj = rollout(lr.policy, mine, lr.sampler, steps, lr.guidance)
+    _stop_point(lr)
     with ph("estimate"):  # x̂0 of every state by T′ Euler substeps (not needed by uniform credit)
         x0_hat = None
         if lr.advantage.needs_stepwise_rewards:
             x0_hat = estimate_states(lr.policy, traj, lr.loop.substeps, lr.guidance, lr.loop.adaptive_substeps,
                                      lr.loop.estimate_chunk)
-    with ph("reward"):  # R_0 .. R_T in one reward call (uniform: R_T only)
+    _stop_point(lr)
+    with ph("reward"), contextlib.suppress(stop.StopRequested):  # R_0 .. R_T in one call (uniform: R_T only)
         scores = score(lr.policy, lr.reward, traj, x0_hat, lr.loop.decode_chunk)
+    _stop_point(lr)  # an interrupted reward call set the stop flag: every rank stops here
     with ph("advantage"):  # gains G_k = R_{k+1} − R_k, normalised per group over every rank's rows
         rewards = lr.dist.gather_rows(scores.rewards)
-        adv = lr.advantage(rewards, plan.group_ids, steps)
+        adv, dropped = finite_advantages(lr, rewards, plan.group_ids, it)
     with ph("update"):  # clipped GRPO (+ β·KL) over the trainable steps
         upd = update(lr, traj, lr.dist.local_rows(adv.advantages), x0_hat, it)
-    return IterationResult(plan, scores, rewards, adv, upd, ph, x0_hat is not None)
+    upd["train/nonfinite_rewards"] = float(dropped.sum())
+    return IterationResult(plan, scores, rewards, adv, upd, ph, x0_hat is not None, ~dropped)
+
+
+def _stop_point(lr: Learner) -> None:
+    """A phase boundary: every rank agrees to go on or to stop (the same collective on every rank)."""
+    if lr.dist.any(stop.STOP.is_set()):
+        raise stop.StopRequested(stop.reason())
+
+
+def finite_advantages(lr: Learner, rewards: Tensor, group_ids: Tensor, it: int) -> tuple[AdvantageOut, Tensor]:
+    """Advantages of the rows whose rewards are finite in the columns the scheme reads; a row with a NaN / inf
+    reward is dropped from the iteration (advantage 0 at every step, left out of its group's statistics, so the
+    update skips it). Returns (advantages of all rows, dropped (B,) bool). More than ``loop.max_nonfinite_frac``
+    dropped rows stop the run (:class:`~stepflow.rewards.errors.NonFiniteRewardsError`)."""
+    steps = lr.loop.num_steps
+    used = rewards if lr.advantage.needs_stepwise_rewards else rewards[:, -1:]
+    dropped = ~torch.isfinite(used).all(1)
+    n = int(dropped.sum())
+    if n == 0:
+        return lr.advantage(rewards, group_ids, steps), dropped
+    if n > lr.loop.max_nonfinite_frac * len(rewards):
+        from stepflow.rewards.errors import NonFiniteRewardsError
+
+        raise NonFiniteRewardsError(f"{n} of {len(rewards)} samples of iteration {it} have a NaN / inf reward (more "
+                                    f"than loop.max_nonfinite_frac={lr.loop.max_nonfinite_frac}); check the reward")
+    keep = ~dropped
+    out = lr.advantage(rewards[keep], group_ids[keep], steps)
+    full = torch.zeros(len(rewards), steps, dtype=out.advantages.dtype)
+    full[keep] = out.advantages
+    return AdvantageOut(full, None, out.stats), dropped
 
 
 def trainable_steps(traj: Trajectory, train: TrainConfig, distill: bool = False) -> list[int]:
@@ -213,13 +250,13 @@ def step_loss(lr: Learner, traj: Trajectory, adv: Tensor, k: int, rows: Tensor, 
 def iteration_metrics(res: IterationResult, world: int) -> dict[str, float]:
     """The metrics of one iteration (names in the README): rewards per step, advantages, update diagnostics,
     seconds and NFEs per phase, images scored (counts summed over ranks)."""
-    r = res.rewards
+    r = res.rewards[res.finite]  # the dropped rows' NaN / inf never reach a logged mean
     final = r[:, -1]
     m = {"train/reward_final": final.mean().item(), "train/reward_std": final.std().item() if final.numel() > 1 else 0.0}
     m["train/reward_mean"] = (r if res.stepwise else final).mean().item()
     if res.stepwise:
         m.update({f"train/reward_step{k}": r[:, k].mean().item() for k in range(r.shape[1])})
-    m.update({f"train/{name}": v.float().mean().item() for name, v in res.scores.components.items()})
+    m.update({f"train/{name}": torch.nanmean(v.float()).item() for name, v in res.scores.components.items()})
     m.update({f"train/{k}": float(v) for k, v in res.advantages.stats.items()})
     m.update(res.update)
     s, n = res.phases.seconds, res.phases.nfe

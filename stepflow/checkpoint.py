@@ -1,32 +1,121 @@
-"""Checkpoints that survive a kill: written to a temporary file and renamed into place."""
+"""Checkpoints that survive a kill, a full disk and a crafted file.
+
+- :class:`AtomicCheckpointIO` writes to a temporary file unique to the process and renames it into place (a kill
+  never leaves a truncated checkpoint, two writers never share a temporary name); a full disk is one line and leaves
+  no temporary file behind. It loads with ``torch.load(weights_only=True)`` only.
+- :class:`IterationCheckpoint` writes ``checkpoints/last.ckpt`` after every finished GRPO iteration, whether or not
+  the optimizer stepped in it (an iteration whose advantages were all zero takes no step), and keeps
+  ``iter_XXXX.ckpt`` every ``keep_every`` iterations.
+- :func:`safe_load` is the one way stepflow reads a checkpoint a user hands it (never unpickling code).
+"""
 
 from __future__ import annotations
 
+import errno
 import os
+import uuid
 from pathlib import Path
 from typing import Any
 
 import torch
-from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 
+__all__ = ["AtomicCheckpointIO", "IterationCheckpoint", "checkpoint_callback", "safe_load", "atomic_write"]
 
-class AtomicCheckpointIO(TorchCheckpointIO):
-    """``torch.save`` to ``<path>.tmp`` then ``os.replace``: a kill never leaves a truncated checkpoint."""
 
-    def save_checkpoint(self, checkpoint: dict[str, Any], path, storage_options=None) -> None:
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(path.name + ".tmp")
+def safe_load(path: str | os.PathLike, field: str, map_location: Any = "cpu") -> Any:
+    """``torch.load(path, weights_only=True)``: tensors, containers and plain values only. A file that would need
+    code to unpickle is refused with one line naming ``field`` and the path (its payload is never run)."""
+    from stepflow.cli import StepflowError
+
+    p = Path(path).expanduser()
+    if not p.is_file():
+        raise StepflowError(f"{field}: checkpoint not found: {p}")
+    try:
+        return torch.load(str(p), map_location=map_location, weights_only=True)
+    except Exception as e:  # noqa: BLE001 - UnpicklingError, a truncated file, a file that is not a checkpoint
+        what = " ".join(str(e).split())
+        why = what.split("WeightsUnpickler error:")[-1].split(". ")[0].strip() if "Unpickler" in what else what[:160]
+        raise StepflowError(f"{field}: {p} cannot be loaded as a checkpoint without running code from it "
+                            f"(torch.load(weights_only=True) refused it: {why}); pass a checkpoint stepflow wrote") from None
+
+
+def atomic_write(path: str | os.PathLike, write) -> None:
+    """``write(fh)`` into a temporary file next to ``path`` (unique per process and call), fsync, rename into place.
+    A full disk (or quota) raises one line and removes the temporary file."""
+    from stepflow.cli import StepflowError
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
+    try:
         with open(tmp, "wb") as fh:
-            torch.save(checkpoint, fh)
+            write(fh)
             fh.flush()
             os.fsync(fh.fileno())
         os.replace(tmp, path)
+    except BaseException as e:
+        tmp.unlink(missing_ok=True)
+        if _disk_full(e, path.parent):
+            raise StepflowError(f"disk full writing {path}; free space in {path.parent} and resume from the last "
+                                "checkpoint (the previous one is intact)") from None
+        raise
 
 
-def checkpoint_callback(dirpath: str | Path) -> ModelCheckpoint:
-    """``last.ckpt`` after every iteration (epoch)."""
-    return ModelCheckpoint(dirpath=str(dirpath), filename="iter_{epoch:04d}", save_last=True, save_top_k=1,
-                           every_n_epochs=1, save_on_train_epoch_end=True, enable_version_counter=False,
-                           auto_insert_metric_name=False)
+def _disk_full(e: BaseException, where: Path) -> bool:
+    """ENOSPC / EDQUOT, or torch.save's own write failure ("unexpected pos", "file write failed") on a disk with
+    less than 64 MiB free."""
+    import shutil
+
+    if isinstance(e, OSError):
+        return e.errno in (errno.ENOSPC, errno.EDQUOT)
+    if isinstance(e, RuntimeError) and any(s in str(e) for s in ("unexpected pos", "write failed", "No space left")):
+        try:
+            return shutil.disk_usage(where).free < 64 << 20
+        except OSError:
+            return True
+    return False
+
+
+class AtomicCheckpointIO(TorchCheckpointIO):
+    """Lightning's checkpoint I/O through :func:`atomic_write` and :func:`safe_load`."""
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], path, storage_options=None) -> None:
+        atomic_write(path, lambda fh: torch.save(checkpoint, fh))
+
+    def load_checkpoint(self, path, map_location=None, weights_only=None) -> dict[str, Any]:
+        return safe_load(path, "ckpt_path", map_location=map_location or "cpu")
+
+
+class IterationCheckpoint(Callback):
+    """``<dirpath>/last.ckpt`` after every finished iteration (and ``iter_XXXX.ckpt`` every ``keep_every``)."""
+
+    def __init__(self, dirpath: str | os.PathLike, keep_every: int = 0):
+        if keep_every < 0:
+            raise ValueError(f"callbacks.checkpoint.keep_every: must be >= 0 (0 = only last.ckpt), got {keep_every}")
+        self.dirpath = Path(dirpath)
+        self.keep_every = int(keep_every)
+        self._saved_iteration: int | None = None
+
+    @property
+    def last(self) -> Path:
+        return self.dirpath / "last.ckpt"
+
+    def save(self, trainer, pl_module) -> None:
+        """Write last.ckpt unless it already holds this iteration (every rank calls; rank 0 writes)."""
+        it = int(getattr(pl_module, "iteration", trainer.current_epoch + 1))
+        if it == self._saved_iteration or it == 0:
+            return
+        trainer.save_checkpoint(str(self.last))
+        if self.keep_every and it % self.keep_every == 0:
+            trainer.save_checkpoint(str(self.dirpath / f"iter_{it:04d}.ckpt"))
+        self._saved_iteration = it
+
+    def on_train_epoch_end(self, trainer, pl_module) -> None:
+        self.save(trainer, pl_module)
+
+
+def checkpoint_callback(dirpath: str | os.PathLike, keep_every: int = 0) -> IterationCheckpoint:
+    """The ``callbacks.checkpoint`` node of conf/train.yaml."""
+    return IterationCheckpoint(dirpath, keep_every)

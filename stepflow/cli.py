@@ -1,4 +1,6 @@
-"""Shared plumbing of the Hydra entry points: one-line errors for bad overrides and bad values."""
+"""Shared plumbing of the Hydra entry points (train, evaluate, pretrain, serve_reward): one-line errors for bad
+overrides, bad values, missing files and models, and every other failure (``HYDRA_FULL_ERROR=1`` shows the
+traceback)."""
 
 from __future__ import annotations
 
@@ -26,14 +28,41 @@ _register()
 
 
 class StepflowError(ValueError):
-    """A user-facing configuration or input error, printed as one line."""
+    """A user-facing configuration or input error, printed as one line (``exit_code``: the process's status)."""
+
+    exit_code = 2
+
+    def __init__(self, msg: str = "", exit_code: int | None = None):
+        super().__init__(msg)
+        if exit_code is not None:
+            self.exit_code = exit_code
 
 
-def fail(msg: str) -> NoReturn:
-    """Exit with a one-line error (exit code 2)."""
-    first = str(msg).strip().splitlines()[0] if str(msg).strip() else "error"
-    print(f"stepflow: error: {first}", file=sys.stderr)
-    raise SystemExit(2)
+def debugging() -> bool:
+    """``HYDRA_FULL_ERROR=1`` (or ``STEPFLOW_TRACEBACK=1``): show tracebacks instead of one-line errors."""
+    return any(os.environ.get(k, "") not in ("", "0") for k in ("HYDRA_FULL_ERROR", "STEPFLOW_TRACEBACK"))
+
+
+def fail(msg: str, code: int = 2) -> NoReturn:
+    """Exit with a one-line error ``stepflow: error: <msg>`` (exit status ``code``)."""
+    first = " ".join(str(msg).split()) if str(msg).strip() else "error"
+    print(f"stepflow: error: {first}", file=sys.stderr, flush=True)
+    raise SystemExit(code)
+
+
+def report(e: BaseException) -> NoReturn:
+    """The one line for an exception that reached an entry point: its own message for the errors stepflow raises
+    and for bad values / missing files, the exception type and message (plus how to see the traceback) otherwise."""
+    from stepflow.rewards.errors import RewardError
+
+    if isinstance(e, StepflowError):
+        fail(str(e) or type(e).__name__, e.exit_code)
+    if isinstance(e, (RewardError, ValueError, FileNotFoundError, KeyError)):
+        fail(str(e) or type(e).__name__)
+    if isinstance(e, MemoryError) or "out of memory" in str(e).lower():
+        fail(f"out of memory ({type(e).__name__}); lower loop.prompts_per_iter, train.micro_batch_size, "
+             "loop.estimate_chunk or loop.decode_chunk")
+    fail(f"{type(e).__name__}: {' '.join(str(e).split())[:400]} (set HYDRA_FULL_ERROR=1 for the traceback)")
 
 
 def check_group_overrides(argv: list[str], conf_dir: Path = CONF_DIR) -> None:
@@ -68,10 +97,34 @@ def check_keys(argv: list[str], config_name: str, conf_dir: Path = CONF_DIR) -> 
         with initialize_config_dir(config_dir=str(conf_dir), version_base="1.3"):
             compose(config_name=config_name, overrides=overrides)
     except Exception as e:  # noqa: BLE001 - reported as one line
-        msg = " ".join(str(e).split())
-        fail(msg.replace("To append to your config use +", "(unknown key; to add a new key use +"))
+        fail(compose_error(e))
     finally:
         GlobalHydra.instance().clear()
+
+
+def compose_error(e: BaseException) -> str:
+    """One line for a composition error: ``<full key>: <what>; <fix>`` when OmegaConf names the key (a value of the
+    wrong type, a key the structured config does not have), else Hydra's message collapsed."""
+    import re
+
+    chain, x = [], e
+    while x is not None and len(chain) < 8:
+        chain.append(str(x))
+        x = x.__cause__ or x.__context__
+    for msg in chain:
+        key = re.search(r"full_key: (\S+)", msg)
+        if not key:
+            continue
+        k = key.group(1)
+        conv = re.search(r"Value '(.*)' of type '\w+' could not be converted to (\w+)", msg)
+        if conv:
+            return f"{k}: {conv.group(1)!r} is not a valid {conv.group(2).lower()}; give {k}=<{conv.group(2).lower()}>"
+        unknown = re.search(r"Key '(.+?)' not in '(\w+)'", msg)
+        if unknown:
+            return f"{k}: unknown key ({unknown.group(2)} has no field {unknown.group(1)!r}); check the spelling"
+        return f"{k}: " + " ".join(msg.split("full_key:")[0].split())
+    msg = " ".join(chain[0].split())
+    return msg.replace("To append to your config use +", "(unknown key; to add a new key use +")
 
 
 def entry_point(config_name: str) -> Callable:
@@ -84,10 +137,10 @@ def entry_point(config_name: str) -> Callable:
         def task(cfg):
             try:
                 return fn(cfg)
-            except (StepflowError, ValueError, FileNotFoundError, KeyError) as e:
-                if os.environ.get("STEPFLOW_TRACEBACK"):
+            except Exception as e:  # noqa: BLE001 - every error is one line unless debugging
+                if debugging():
                     raise
-                fail(str(e) or type(e).__name__)
+                report(e)
 
         hydra_main = hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name=config_name)(task)
 

@@ -51,6 +51,9 @@ class LoopConfig:
     decode_chunk: int | None = None  #: max latents per VAE decode call
     seed: int = 0  #: seed of the prompt plan and every noise draw
     dump_trajectories: bool = False  #: write rewards/advantages of every iteration to <run>/trajectories/ (debug)
+    #: samples whose reward is NaN / inf are dropped from their iteration (counted as train/nonfinite_rewards); the
+    #: run stops with a clear error when more than this fraction of an iteration's samples are dropped
+    max_nonfinite_frac: float = 0.25
 
     def __post_init__(self) -> None:
         _need(_is_int(self.iterations) and self.iterations >= 1, f"iterations: must be an integer >= 1, got {self.iterations!r}")
@@ -59,6 +62,7 @@ class LoopConfig:
         _need(self.num_steps >= 2, f"num_steps: must be >= 2, got {self.num_steps}")
         _need(self.guidance is None or self.guidance >= 1.0, f"guidance: must be >= 1 (1 = no CFG) or null, got {self.guidance}")
         _need(self.substeps >= 1, f"substeps: must be >= 1, got {self.substeps}")
+        _need(0.0 <= self.max_nonfinite_frac <= 1.0, f"max_nonfinite_frac: must be in [0, 1], got {self.max_nonfinite_frac}")
         for name in ("estimate_chunk", "decode_chunk"):
             v = getattr(self, name)
             _need(v is None or v >= 1, f"{name}: must be >= 1 or null (no chunking), got {v}")

@@ -63,6 +63,14 @@ class Dist:
         torch.distributed.all_reduce(t)
         return float(t)
 
+    def any(self, flag: bool) -> bool:
+        """True on every rank if ``flag`` is True on any rank (every rank must call it at the same point)."""
+        if self.world == 1:
+            return bool(flag)
+        t = torch.tensor([1.0 if flag else 0.0], device=self.device)
+        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
+        return bool(t.item() > 0)
+
     def all_reduce_grads(self, params: Iterable[torch.nn.Parameter]) -> None:
         """Sum the gradients of ``params`` over ranks (no-op unless :attr:`manual_grad_sync`)."""
         if not self.manual_grad_sync:

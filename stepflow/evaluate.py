@@ -68,9 +68,10 @@ def load_policy(cfg: DictConfig):
 
 def load_pretrain_checkpoint(path: str | Path, ema: bool = True):
     """A :class:`ShapesPolicy` from a ``stepflow.pretrain`` Lightning checkpoint (EMA weights by default)."""
+    from stepflow.checkpoint import safe_load
     from stepflow.policies.shapes import ShapesPolicy
 
-    ck = torch.load(str(path), map_location="cpu", weights_only=False)
+    ck = safe_load(path, "ckpt_path")
     hp = ck.get("hyper_parameters", {})
     if "arch" not in hp:
         raise StepflowError(f"ckpt_path: {path} is not a stepflow.pretrain checkpoint (no 'arch' hyper-parameters)")

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from stepflow import stop
 from stepflow.policies.base import FlowPolicy
 
 
@@ -37,6 +38,7 @@ def sample_ode(policy: FlowPolicy, prompts: Sequence[str], num_steps: int = 10, 
     dev = policy.device
     out = []
     for i in range(0, len(prompts), batch_size):
+        stop.check()  # a stop request abandons a long evaluation between batches
         x = noise[i:i + batch_size].to(dev)
         cond = policy.encode(prompts[i:i + batch_size])
         for t, t_next in zip(grid[:-1], grid[1:]):

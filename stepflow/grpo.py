@@ -15,6 +15,7 @@ from typing import Any
 import lightning as L
 import torch
 
+from stepflow import stop
 from stepflow.advantage import AdvantageConfig, AdvantageEstimator
 from stepflow.algorithm import Learner, iteration, iteration_metrics
 from stepflow.config import EmaConfig, EvalConfig, LoopConfig, TrainConfig
@@ -56,6 +57,7 @@ class GRPOModule(L.LightningModule):
         self.reward_images_total = 0
         self.history: list[dict[str, float]] = []
         self.stop_reason: str | None = None
+        self.stop_signal: str | None = None  #: SIGTERM / SIGINT when a signal stopped the run
         self._pbar = None
         self._optimizer = None
         self.ema = ParamEMA(policy.lora_parameters(), ema.decay, ema.update_every) if ema.enabled else None
@@ -116,7 +118,7 @@ class GRPOModule(L.LightningModule):
 
             self._pbar = tqdm(total=self.loop.iterations, initial=self.iteration, desc="GRPO", unit="it", dynamic_ncols=True)
         if self.iteration == 0:
-            self.run_evaluation()
+            self._guarded(self.run_evaluation)
 
     def on_train_end(self) -> None:
         if self._pbar is not None:
@@ -125,26 +127,35 @@ class GRPOModule(L.LightningModule):
             self.save_outputs()
 
     def training_step(self, batch: Any, batch_idx: int) -> None:
-        if self.iteration >= self.loop.iterations:  # e.g. resuming a finished run
+        if self.iteration >= self.loop.iterations or self.stop_reason:  # a finished run resumed, or stopping
             self.trainer.should_stop = True
             return None
-        from stepflow.rewards.errors import RewardServiceError
-
-        try:
-            metrics = self.iterate()
-        except RewardServiceError as e:  # a remote reward that stays down: stop cleanly, last.ckpt stays usable
-            self.stop_reason = (f"reward service failed at iteration {self.iteration}: {e}; resume with "
-                                "ckpt_path=<run dir>/checkpoints/last.ckpt")
-            self.trainer.should_stop = True
+        metrics = self._guarded(self.iterate)
+        if metrics is None:
             return None
         if self._pbar is not None:
             self._pbar.update(1)
             self._pbar.set_postfix(reward=f"{metrics['train/reward_final']:.3f}", kl=f"{metrics.get('train/kl', 0):.2e}")
         every = self.eval_cfg.every
         if (every and self.iteration % every == 0) or self.iteration == self.loop.iterations:
-            self.run_evaluation()
-        if self.iteration >= self.loop.iterations:
+            self._guarded(self.run_evaluation)
+        if self.iteration >= self.loop.iterations or stop.STOP.is_set():
             self.trainer.should_stop = True  # epochs only tick; the iteration counter (checkpointed) decides
+
+    def _guarded(self, fn):
+        """``fn()``, or None after a stop request or a reward service that stays down: the run then stops cleanly
+        (``stop_reason``) with last.ckpt holding the last finished iteration."""
+        from stepflow.rewards.errors import RewardServiceError
+
+        try:
+            return fn()
+        except stop.StopRequested as e:
+            self.stop_reason, self.stop_signal = f"stopped by {e} after iteration {self.iteration}", str(e)
+        except RewardServiceError as e:
+            self.stop_reason = f"reward service failed at iteration {self.iteration}: {e}"
+        if self._trainer is not None:
+            self.trainer.should_stop = True
+        return None
 
     def iterate(self) -> dict[str, float]:
         """Run one GRPO iteration (also without a Trainer); returns its metrics (also logged)."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import io
 import os
 from collections.abc import Sequence
 from pathlib import Path
@@ -10,6 +11,8 @@ from typing import Any
 
 from lightning.pytorch.loggers import Logger
 from lightning.pytorch.utilities import rank_zero_only
+
+from stepflow.checkpoint import atomic_write
 
 __all__ = ["MetricsCSVLogger", "wandb_logger"]
 
@@ -61,12 +64,11 @@ class MetricsCSVLogger(Logger):
             with self.path.open("a", newline="") as fh:
                 csv.DictWriter(fh, fieldnames=cols).writerows(self.rows[self._written:])
         else:
-            tmp = self.path.with_name(self.path.name + ".tmp")
-            with tmp.open("w", newline="") as fh:
-                w = csv.DictWriter(fh, fieldnames=cols)
-                w.writeheader()
-                w.writerows(self.rows)
-            tmp.replace(self.path)
+            buf = io.StringIO()
+            w = csv.DictWriter(buf, fieldnames=cols)
+            w.writeheader()
+            w.writerows(self.rows)
+            atomic_write(self.path, lambda fh: fh.write(buf.getvalue().encode()))
             self._columns = cols
         self._written = len(self.rows)
 

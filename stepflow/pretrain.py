@@ -39,6 +39,8 @@ import torch
 from torch import Tensor
 from torch.utils.data import DataLoader, IterableDataset
 
+from stepflow.cli import entry_point
+
 log = logging.getLogger("stepflow.pretrain")
 
 
@@ -312,8 +314,11 @@ def run(cfg) -> dict[str, Any]:
     n_params = module.policy.num_parameters()
     log.info("ShapesPolicy: %s parameters; vocab %d words; max_length %d", n_params, len(vocab), longest + 1)
     # a resumed run continues with fresh data (the stream's seed includes the step it resumes from)
-    start = int(torch.load(str(cfg.resume), map_location="cpu", weights_only=False).get("global_step", 0)) \
-        if cfg.get("resume") else 0
+    start = 0
+    if cfg.get("resume"):
+        from stepflow.checkpoint import safe_load
+
+        start = int(safe_load(cfg.resume, "resume").get("global_step", 0))
     data = ShapesStream(batch_size=cfg.data.batch_size, seed=int(cfg.seed), start=start, size=int(cfg.arch.image_size),
                         categories=cfg.data.get("categories"), empty_prompt_prob=float(cfg.data.empty_prompt_prob))
     loader = DataLoader(data, batch_size=None, num_workers=int(cfg.data.num_workers))
@@ -431,25 +436,21 @@ def finalize_run_dir(cfg, run_dir: str | Path) -> dict[str, Any]:
     return summary
 
 
-def _main():
-    import hydra
+@entry_point("pretrain")
+def main(cfg) -> None:
     from hydra.core.hydra_config import HydraConfig
-    from omegaconf import DictConfig, OmegaConf, open_dict
+    from omegaconf import OmegaConf, open_dict
 
-    @hydra.main(version_base="1.3", config_path="../conf", config_name="pretrain")
-    def main(cfg: DictConfig) -> None:
-        with open_dict(cfg):
-            if not cfg.get("out_dir"):
-                cfg.out_dir = HydraConfig.get().runtime.output_dir
-        log.info("config:\n%s", OmegaConf.to_yaml(cfg))
-        if cfg.get("finalize_only"):
-            finalize_run_dir(cfg, cfg.finalize_only)
-        else:
-            run(cfg)
-
-    main()
+    with open_dict(cfg):
+        if not cfg.get("out_dir"):
+            cfg.out_dir = HydraConfig.get().runtime.output_dir
+    log.info("config:\n%s", OmegaConf.to_yaml(cfg))
+    if cfg.get("finalize_only"):
+        finalize_run_dir(cfg, cfg.finalize_only)
+    else:
+        run(cfg)
 
 
 if __name__ == "__main__":
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    _main()
+    main()

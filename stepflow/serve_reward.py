@@ -26,6 +26,7 @@ from dataclasses import asdict, dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
+from stepflow.cli import entry_point
 from stepflow.rewards.base import Reward
 from stepflow.rewards.errors import one_line
 
@@ -247,17 +248,11 @@ def limits_from_config(cfg: Any) -> Limits:
     return Limits(**{k: type(getattr(Limits, k))(cfg[k]) for k in fields if cfg.get(k) is not None})
 
 
-def main() -> None:
-    import hydra
-
-    from stepflow.cli import CONF_DIR
+@entry_point("serve_reward")
+def main(cfg) -> None:
     from stepflow.rewards.registry import build_reward
 
-    @hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="serve_reward")
-    def _run(cfg) -> None:
-        serve(build_reward(cfg.reward), cfg.host, int(cfg.port), limits=limits_from_config(cfg))
-
-    _run()
+    serve(build_reward(cfg.reward), cfg.host, int(cfg.port), limits=limits_from_config(cfg))
 
 
 if __name__ == "__main__":

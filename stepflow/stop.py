@@ -7,9 +7,11 @@ checkpoint and exit within a bounded time.
 
 from __future__ import annotations
 
+import contextlib
+import signal
 import threading
 
-__all__ = ["STOP", "StopRequested", "check", "wait", "request", "clear", "reason"]
+__all__ = ["STOP", "StopRequested", "check", "wait", "request", "clear", "reason", "signals_handled", "EXIT_CODES"]
 
 #: set once a stop was requested (signal handler or test); cleared by :func:`clear`
 STOP = threading.Event()
@@ -46,3 +48,38 @@ def wait(seconds: float) -> None:
     """Sleep ``seconds`` (a back-off), returning early with :class:`StopRequested` as soon as a stop is requested."""
     if STOP.wait(max(0.0, float(seconds))):
         raise StopRequested(reason())
+
+
+#: exit status of a run stopped by a signal (128 + signal number, as a shell reports it)
+EXIT_CODES = {"SIGINT": 130, "SIGTERM": 143}
+
+
+@contextlib.contextmanager
+def signals_handled(announce=None):
+    """Inside the context, the first SIGINT / SIGTERM requests a stop (the run finishes or abandons its current
+    phase, writes its checkpoint and exits non-zero); a second SIGINT interrupts at once (KeyboardInterrupt).
+    ``announce(msg)`` is told once, when the first signal arrives. Handlers are restored on exit; outside the main
+    thread (where Python cannot install handlers) this does nothing."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum, frame):
+        name = signal.Signals(signum).name
+        if STOP.is_set() and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        if not STOP.is_set():
+            request(name)
+            if announce is not None:
+                announce(f"{name} received: finishing the current phase, then writing the checkpoint"
+                         + (" (Ctrl-C again to abort at once)" if signum == signal.SIGINT else ""))
+
+    old = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    clear()
+    for s in old:
+        signal.signal(s, handler)
+    try:
+        yield
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)

@@ -123,25 +123,71 @@ def build_trainer(cfg: DictConfig, run_dir: Path):
 
 
 def run(cfg: DictConfig, run_dir: Path):
-    """Build and fit; returns the trained :class:`~stepflow.grpo.GRPOModule`."""
+    """Build and fit; returns the trained :class:`~stepflow.grpo.GRPOModule`.
+
+    The run directory is locked for the run (one run per directory); a resume (``ckpt_path``) must keep the
+    original run's settings (:data:`RESUMABLE` may change) and never rewrites its ``config.yaml``. SIGINT / SIGTERM
+    stop the run at the next phase boundary with last.ckpt holding the last finished iteration, and raise a
+    :class:`StepflowError` whose ``exit_code`` is 128 + the signal (a requeue-friendly failure for SLURM)."""
+    from lightning.pytorch.utilities.exceptions import SIGTERMException
     from torch.utils.data import DataLoader
 
-    ckpt = cfg.get("ckpt_path")
-    if ckpt:
-        ckpt = Path(str(ckpt)).expanduser()
-        if not ckpt.is_file():
-            raise StepflowError(f"ckpt_path: checkpoint not found: {ckpt} (point it at <run dir>/checkpoints/last.ckpt)")
+    from stepflow import stop
+    from stepflow.rundir import check_resume, global_rank, run_lock
+
+    ckpt = resolve_ckpt(cfg.get("ckpt_path"), run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    OmegaConf.save(cfg, run_dir / "config.yaml", resolve=True)
-    if cfg.get("torch_threads"):  # oversubscribed OpenMP threads on a shared CPU are ~10x slower than one thread each
-        torch.set_num_threads(int(cfg.torch_threads))
-    module = build_module(cfg, run_dir)
-    trainer = build_trainer(cfg, run_dir)
-    ticks = DataLoader(list(range(1)), batch_size=None)  # one "batch" per epoch = one GRPO iteration
-    trainer.fit(module, train_dataloaders=ticks, ckpt_path=str(ckpt) if ckpt else None)
+    with run_lock(run_dir), stop.signals_handled(announce=lambda m: print(f"stepflow: {m}", flush=True)):
+        if ckpt is not None:
+            check_resume(cfg, run_dir)
+        elif global_rank() == 0:
+            OmegaConf.save(cfg, run_dir / "config.yaml", resolve=True)
+        if cfg.get("torch_threads"):  # oversubscribed OpenMP threads on a shared CPU are ~10x slower than one each
+            torch.set_num_threads(int(cfg.torch_threads))
+        module = build_module(cfg, run_dir)
+        trainer = build_trainer(cfg, run_dir)
+        ticks = DataLoader(list(range(1)), batch_size=None)  # one "batch" per epoch = one GRPO iteration
+        try:
+            trainer.fit(module, train_dataloaders=ticks, ckpt_path=str(ckpt) if ckpt else None)
+        except SIGTERMException:  # Lightning's own SIGTERM exit, after the epoch (and its checkpoint) finished
+            module.stop_reason = module.stop_reason or f"stopped by SIGTERM after iteration {module.iteration}"
+            module.stop_signal = module.stop_signal or "SIGTERM"
+        if stop.STOP.is_set() and not module.stop_reason:  # the signal came after the last iteration
+            module.stop_reason, module.stop_signal = f"stopped by {stop.reason()} after iteration {module.iteration}", stop.reason()
     if module.stop_reason:
-        raise StepflowError(module.stop_reason)
+        last = run_dir / "checkpoints" / "last.ckpt"
+        where = f"; resume: {resume_command(last)}" if last.is_file() else "; no iteration finished, nothing to resume"
+        raise StepflowError(module.stop_reason + where, exit_code=stop.EXIT_CODES.get(module.stop_signal or "", 2))
     return module
+
+
+#: settings a resume may change: how long the run goes on, how it is evaluated, CPU threads, where it logs
+RESUMABLE = ("ckpt_path", "loop.iterations", "eval.", "torch_threads", "logger.", "trainer.devices", "trainer.num_nodes")
+
+
+def resolve_ckpt(ckpt, run_dir: Path) -> Path | None:
+    """``ckpt_path``: a file, or ``auto`` = ``<run dir>/checkpoints/last.ckpt`` when it exists (a requeued job resumes
+    itself; a first start begins fresh)."""
+    if not ckpt:
+        return None
+    if str(ckpt) == "auto":
+        last = run_dir / "checkpoints" / "last.ckpt"
+        return last if last.is_file() else None
+    ckpt = Path(str(ckpt)).expanduser()
+    if not ckpt.is_file():
+        raise StepflowError(f"ckpt_path: checkpoint not found: {ckpt} (point it at <run dir>/checkpoints/last.ckpt)")
+    return ckpt
+
+
+def resume_command(last: Path) -> str:
+    """The command line that resumes this run: the original overrides plus ``ckpt_path``."""
+    try:
+        from hydra.core.hydra_config import HydraConfig
+
+        overrides = [o for o in HydraConfig.get().overrides.task if not o.startswith(("ckpt_path=", "hydra."))]
+    except (ValueError, ImportError):  # not under a Hydra entry point (tests, notebooks)
+        overrides = []
+    return " ".join(["python -m stepflow.train", *overrides, f"ckpt_path={last}"])
 
 
 def summary_line(history: list[dict], run_dir: Path) -> str:
@@ -166,7 +212,7 @@ def main(cfg: DictConfig) -> None:
 
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     ckpt = cfg.get("ckpt_path")
-    if ckpt and Path(str(ckpt)).expanduser().parent.name == "checkpoints":
+    if ckpt and ckpt != "auto" and Path(str(ckpt)).expanduser().parent.name == "checkpoints":
         run_dir = Path(str(ckpt)).expanduser().parent.parent  # continue writing into the resumed run's dir
     module = run(cfg, run_dir)
     if module.global_rank == 0:

@@ -20,6 +20,10 @@ class RewardServiceError(RewardError):
     """A remote reward service failed: timeouts/5xx after all retries, a 4xx, or a reply we cannot use."""
 
 
+class NonFiniteRewardsError(RewardServiceError):
+    """Too many samples of an iteration scored NaN / inf (``loop.max_nonfinite_frac``): the run stops cleanly."""
+
+
 class MalformedReplyError(RewardServiceError):
     """The service answered, but not with what the protocol expects (the message says what was expected)."""
 

@@ -1,0 +1,104 @@
+"""One run per run directory: a lock naming its holder, and resumes that keep the original run's settings."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import socket
+import time
+from pathlib import Path
+
+from omegaconf import DictConfig, OmegaConf
+
+__all__ = ["run_lock", "check_resume", "global_rank", "LOCK_NAME"]
+
+LOCK_NAME = ".stepflow.lock"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def global_rank() -> int:
+    """This process's global rank before Lightning is set up (from the launcher's environment)."""
+    for k in ("RANK", "SLURM_PROCID", "LOCAL_RANK"):
+        if os.environ.get(k, "").isdigit():
+            return int(os.environ[k])
+    return 0
+
+
+@contextlib.contextmanager
+def run_lock(run_dir: Path):
+    """Hold ``<run_dir>/.stepflow.lock`` (pid, host, start time) for the context; a second run on the same directory
+    stops with one line naming the holder. A lock left by a process that is gone (same host) is taken over. Only
+    global rank 0 locks (the other ranks of a distributed run share rank 0's directory)."""
+    from stepflow.cli import StepflowError
+
+    if global_rank() != 0:
+        yield
+        return
+    path = Path(run_dir) / LOCK_NAME
+    me = {"pid": os.getpid(), "host": socket.gethostname(), "since": time.strftime("%Y-%m-%d %H:%M:%S")}
+    for _ in range(2):
+        try:
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+        except FileExistsError:
+            try:
+                holder = json.loads(path.read_text() or "{}")
+            except (OSError, ValueError):
+                holder = {}
+            same_host = holder.get("host") == me["host"]
+            if same_host and isinstance(holder.get("pid"), int) and not _alive(holder["pid"]):
+                path.unlink(missing_ok=True)  # stale: its process is gone
+                continue
+            raise StepflowError(f"hydra.run.dir: {run_dir} is in use by another run (pid {holder.get('pid', '?')} on "
+                                f"{holder.get('host', '?')} since {holder.get('since', '?')}); give this run its own "
+                                f"hydra.run.dir, or stop that run (a stale lock: delete {path})") from None
+        with os.fdopen(fd, "w") as fh:
+            json.dump(me, fh)
+        break
+    try:
+        yield
+    finally:
+        path.unlink(missing_ok=True)
+
+
+def _flat(d, prefix: str = "") -> dict:
+    if isinstance(d, dict):
+        out = {}
+        for k, v in d.items():
+            out.update(_flat(v, f"{prefix}{k}."))
+        return out
+    return {prefix[:-1]: d}
+
+
+def check_resume(cfg: DictConfig, run_dir: Path, resumable: tuple[str, ...] | None = None) -> None:
+    """A resume must keep the settings of ``<run_dir>/config.yaml`` except those in ``resumable`` (prefixes; default
+    :data:`stepflow.train.RESUMABLE`); the original config.yaml is never rewritten. The resumed settings go to
+    ``config.resume.yaml``."""
+    from stepflow.cli import StepflowError
+
+    if resumable is None:
+        from stepflow.train import RESUMABLE as resumable
+    saved = Path(run_dir) / "config.yaml"
+    new = OmegaConf.to_container(cfg, resolve=True)
+    if saved.is_file():
+        old = _flat(OmegaConf.to_container(OmegaConf.load(saved), resolve=True))
+        cur = _flat(new)
+        changed = [k for k in sorted(set(old) | set(cur)) if old.get(k, "<unset>") != cur.get(k, "<unset>")
+                   and not any(k == r or (r.endswith(".") and k.startswith(r)) for r in resumable)]
+        if changed:
+            k = changed[0]
+            raise StepflowError(f"ckpt_path: this resume changes {k} ({old.get(k, '<unset>')!r} -> "
+                                f"{cur.get(k, '<unset>')!r}) from the run's config.yaml ({len(changed)} setting(s) "
+                                "differ); resume with the run's own overrides (only loop.iterations, eval.*, "
+                                "torch_threads, logger.* may change) or start a new run")
+    if global_rank() == 0:
+        OmegaConf.save(OmegaConf.create(new), Path(run_dir) / "config.resume.yaml")
