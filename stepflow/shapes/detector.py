@@ -544,7 +544,11 @@ def evaluate(dets: list[Detection], spec: str | Requirement | dict[str, Any]) ->
     """GenEval's decision (``evaluate_images.py``: ``evaluate_image`` keeps and orders the detections, ``evaluate``
     checks the clauses) on detections, for a prompt, :class:`Requirement` or GenEval metadata; see the module
     docstring for the rules and the partial credit."""
-    meta = geneval_meta(spec)
+    return _decide(dets, geneval_meta(spec))
+
+
+def _decide(dets: list[Detection], meta: dict[str, Any]) -> JudgeResult:
+    """:func:`evaluate` on checked metadata (:func:`geneval_meta`)."""
     tag = meta["tag"]
     by_class: dict[str, list[Detection]] = {s: [] for s in SHAPES}
     for d in sorted(dets, key=_rank_key):
@@ -592,13 +596,13 @@ def judge(image, spec: str | Requirement | dict[str, Any], **detect_kwargs) -> J
     """Score ``image`` against a prompt, :class:`Requirement` or GenEval metadata record: GenEval's strict
     correctness and partial credit in [0, 1] (rules in the module docstring)."""
     meta = geneval_meta(spec)
-    return evaluate(detect(image, **detect_kwargs), meta)
+    return _decide(detect(image, **detect_kwargs), meta)
 
 
 def judge_batch(images, specs, **detect_kwargs) -> list[JudgeResult]:
     """:func:`judge` for a batch ((N, H, W, 3) or (N, 3, H, W)) and N specs, detecting the whole batch at once."""
+    arr = _as_batch(images)
+    if len(arr) != len(specs):
+        raise ValueError(f"shapes judge: {len(arr)} images but {len(specs)} prompts")
     metas = [geneval_meta(s) for s in specs]  # fail fast, before any detection
-    dets = detect_batch(images, **detect_kwargs)
-    if len(dets) != len(metas):
-        raise ValueError(f"shapes judge: {len(dets)} images but {len(metas)} prompts")
-    return [evaluate(d, m) for d, m in zip(dets, metas)]
+    return [_decide(d, m) for d, m in zip(detect_batch(arr, **detect_kwargs), metas)]
