@@ -228,12 +228,15 @@ def test_relation_is_judged_between_the_most_confident_objects():
 
 def test_position_needs_a_matched_target():
     """GenEval: ``if matched_groups[target_group] is None`` -> incorrect ("no target"); a group that failed its colour
-    check is None."""
+    check is None. The verdict is already "incorrect" through the target's own clause; what the rule decides is
+    that the position clause fails too, i.e. its partial-credit check: square present 1, square red 0, circle
+    present 1, circle left of the square 0 ("no target") -> 0.5, although the circle is left of the square."""
     meta = {"tag": "position", "prompt": "a circle left of a red square",
             "include": [{"class": "square", "count": 1, "color": "red"},
                         {"class": "circle", "count": 1, "position": ["left of", 0]}]}
     scene = [("circle", "blue", 2, 12, 8)]
-    assert not _both(_img(*scene, ("square", "blue", 20, 12, 8)), meta).strict
+    r = _both(_img(*scene, ("square", "blue", 20, 12, 8)), meta)
+    assert not r.strict and r.partial == 0.5
     r = _both(_img(*scene, ("square", "red", 20, 12, 8)), meta)
     assert r.strict and r.partial == 1.0
 

@@ -314,8 +314,6 @@ def detect(image, min_area: int | None = None, threshold: float = FG_THRESHOLD,
     a = np.asarray(image, dtype=np.float32)
     if a.ndim != 3:
         raise ValueError(f"detect: expected an (H, W, 3) image, got shape {a.shape}")
-    if a.shape[-1] != 3 and a.shape[0] == 3:
-        a = np.moveaxis(a, 0, -1)
     return detect_batch(a[None], min_area=min_area, threshold=threshold, min_fit=min_fit)[0]
 
 
