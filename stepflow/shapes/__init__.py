@@ -1,7 +1,8 @@
 """The embedded world: a procedural miniature of text-to-image generation.
 
 Pictures of coloured shapes (:mod:`.world`), prompts in GenEval's six categories with versioned train/eval files
-(:mod:`.prompts`), and a deterministic judge that detects the shapes and applies GenEval's rules to them (:mod:`.detector`).
+(:mod:`.prompts`), and a deterministic judge that detects the shapes and applies GenEval's rules to them
+(:mod:`.detector`).
 """
 
 from stepflow.shapes.detector import (

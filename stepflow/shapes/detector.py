@@ -72,8 +72,10 @@ SIDE_TOLERANCE = 0.75
 SIZE_WEIGHT = 0.05
 TIE_EPS = 1e-6
 #: GenEval's COUNTING_THRESHOLD counterpart: counting prompts count only detections with conf above this (GenEval:
-#: 0.9 on Mask2Former's score, 0.3 for the other tags). Detections of random colour noise that pass the shape gate
-#: have fits 0.55-0.78, mostly under 0.65; blurred renderings of real shapes (sigma 0.7-1.0) stay above it.
+#: 0.9 on Mask2Former's score, 0.3 for the other tags; the scales differ, so the value is ours). Set where the
+#: shape-like detections of random colour noise stop: of 151 such detections in 10,000 random colour-block images,
+#: 6 have conf > 0.65; counting scenes blurred with sigma 0.7 / 1.0 (+ noise 0.05) keep their count 99.2 % / 98.5 %
+#: of the time, and 94.5 % of the base model's detections are above it.
 COUNTING_THRESHOLD = 0.65
 #: GenEval's MAX_OBJECTS: at most this many detections per class (the most confident)
 MAX_OBJECTS = 16
