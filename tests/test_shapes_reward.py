@@ -116,3 +116,20 @@ def test_training_records_judged_alike_from_metadata_and_text():
     prompts = [r["prompt"] for r in recs]
     a, b = ShapesGenEvalReward()(imgs, prompts, recs), ShapesGenEvalReward()(imgs, prompts)
     assert torch.equal(a.scores, b.scores) and torch.equal(a.components["strict"], b.components["strict"])
+
+
+@pytest.mark.parametrize("bad, match", [
+    ({"include": [{"class": "circle", "count": 1}]}, "without a 'tag'"),
+    ({"tag": "colors", "include": [{"class": "circle", "count": 0}]}, "count >= 1"),
+    ({"tag": "colors", "include": [{"class": "circle", "count": 1, "color": "orange"}]}, "unknown colour"),
+    ({"tag": "position", "include": [{"class": "circle", "count": 1, "position": ["left of", 1]},
+                                     {"class": "square", "count": 1}]}, "earlier clause"),
+    ({"tag": "position", "include": [{"class": "circle", "count": 1},
+                                     {"class": "square", "count": 1, "position": ["near", 0]}]}, "position must be"),
+    ({"tag": "counting", "include": [{"class": "circle", "count": 2}], "exclude": {"class": "circle"}}, "must be a list"),
+])
+def test_malformed_metadata_is_a_one_line_error(bad, match):
+    imgs, _, _ = _batch(1)
+    with pytest.raises(ValueError, match=match) as e:
+        ShapesGenEvalReward()(imgs, ["a photo of a circle"], [{**bad, "prompt": "my prompt"}])
+    assert "\n" not in str(e.value) and "my prompt" in str(e.value)
