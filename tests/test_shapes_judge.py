@@ -141,10 +141,10 @@ def test_partial_credit_is_graded():
 def test_detect_ignores_specks_and_accepts_torch():
     img = render(Scene((ShapeSpec("circle", "red", 3, 3, 9), ShapeSpec("square", "green", 18, 18, 10)), 32))
     img[28:30, 1:3] = np.asarray(COLORS["white"]) / 255  # a 2x2 speck
-    dets = detect(img)
-    assert [(d.shape, d.color) for d in dets] == [("circle", "red"), ("square", "green")]
+    dets = detect(img)  # most confident first: the bigger square
+    assert [(d.shape, d.color) for d in dets] == [("square", "green"), ("circle", "red")]
     t = torch.from_numpy(img).permute(2, 0, 1)
-    assert [(d.shape, d.color) for d in detect(t)] == [("circle", "red"), ("square", "green")]
+    assert [(d.shape, d.color) for d in detect(t)] == [("square", "green"), ("circle", "red")]
     assert detect(render(Scene())) == []
 
 

@@ -79,3 +79,57 @@ def test_config_instantiates():
 
     r = instantiate(cfg)
     assert isinstance(r, ShapesGenEvalReward) and r.mode == "partial"
+
+
+def test_reward_judges_from_metadata():
+    """With GenEval metadata (as serve_reward passes it through) the reward judges the metadata, not the prompt
+    text: a red circle sent with the metadata of a blue square fails, whatever the prompt string says."""
+    img = torch.from_numpy(render(Scene((ShapeSpec("circle", "red", 10, 10, 10),)))).permute(2, 0, 1)[None]
+    blue_square = {"tag": "colors", "include": [{"class": "square", "count": 1, "color": "blue"}],
+                   "prompt": "a photo of a blue square"}
+    red_circle = {"tag": "colors", "include": [{"class": "circle", "count": 1, "color": "red"}],
+                  "prompt": "a photo of a red circle"}
+    r = ShapesGenEvalReward()
+    for prompt in ("a photo of a red circle", "a photo of a blue square"):
+        out = r(img, [prompt], [blue_square])
+        assert out.components["strict"].item() == 0.0 and out.scores.item() == 0.0
+        assert r(img, [prompt], [red_circle]).components["strict"].item() == 1.0
+    # no metadata, or a record without include: the prompt text is judged
+    assert r(img, ["a photo of a red circle"], [{"prompt": "a photo of a red circle"}]).scores.item() == 1.0
+    assert r(img, ["a photo of a blue square"]).scores.item() == 0.0
+    # metadata needs no prompt of the grammar; malformed metadata is a one-line error naming it
+    assert r(img, ["a red disc"], [red_circle]).scores.item() == 1.0
+    with pytest.raises(ValueError, match="a photo of a dog"):
+        r(img, ["x"], [{"tag": "colors", "include": [{"class": "dog", "count": 1}], "prompt": "a photo of a dog"}])
+    # the table groups by the metadata's tag
+    assert ShapesGenEvalReward().geneval_table(img, ["x"], [red_circle]) == {"geneval": 1.0, "geneval_colors": 1.0}
+
+
+def test_training_records_judged_alike_from_metadata_and_text():
+    """Every record of the world's prompt files carries metadata equal to its prompt's: same verdicts either way."""
+    from stepflow.shapes import load_prompts
+
+    recs = load_prompts("train")[::3] + load_prompts("eval")[::5]
+    rng = np.random.default_rng(4)
+    imgs = np.stack([render(scene_for_prompt(sample_prompt(rng)["prompt"], rng)) for _ in recs])
+    imgs = torch.from_numpy(imgs).permute(0, 3, 1, 2)
+    prompts = [r["prompt"] for r in recs]
+    a, b = ShapesGenEvalReward()(imgs, prompts, recs), ShapesGenEvalReward()(imgs, prompts)
+    assert torch.equal(a.scores, b.scores) and torch.equal(a.components["strict"], b.components["strict"])
+
+
+@pytest.mark.parametrize("bad, match", [
+    ({"include": [{"class": "circle", "count": 1}]}, "without a 'tag'"),
+    ({"tag": "colors", "include": [{"class": "circle", "count": 0}]}, "count >= 1"),
+    ({"tag": "colors", "include": [{"class": "circle", "count": 1, "color": "orange"}]}, "unknown colour"),
+    ({"tag": "position", "include": [{"class": "circle", "count": 1, "position": ["left of", 1]},
+                                     {"class": "square", "count": 1}]}, "earlier clause"),
+    ({"tag": "position", "include": [{"class": "circle", "count": 1},
+                                     {"class": "square", "count": 1, "position": ["near", 0]}]}, "position must be"),
+    ({"tag": "counting", "include": [{"class": "circle", "count": 2}], "exclude": {"class": "circle"}}, "must be a list"),
+])
+def test_malformed_metadata_is_a_one_line_error(bad, match):
+    imgs, _, _ = _batch(1)
+    with pytest.raises(ValueError, match=match) as e:
+        ShapesGenEvalReward()(imgs, ["a photo of a circle"], [{**bad, "prompt": "my prompt"}])
+    assert "\n" not in str(e.value) and "my prompt" in str(e.value)

@@ -1,9 +1,14 @@
 """The embedded world's reward: the shapes judge as a :class:`~stepflow.rewards.base.Reward`.
 
-``scores`` is the judge's partial credit in [0, 1] (fraction of satisfied requirements; counting
+``scores`` is the judge's partial credit in [0, 1] (fraction of satisfied GenEval checks; counting
 ``0.5 ** |count error|``), or its strict 0/1 GenEval correctness with ``mode="strict"``. Components (all (B,)):
-``strict`` (0/1), ``partial``, ``n_objects`` (detections). Prompts are plain strings in the
-:mod:`stepflow.shapes.prompts` grammar; an unknown prompt raises a one-line ValueError naming it.
+``strict`` (0/1), ``partial``, ``n_objects`` (detections). The rules are GenEval's (colour and position on the most
+confident detections, a counting threshold, exclude lines; see :mod:`stepflow.shapes.detector`).
+
+What is judged: the GenEval metadata of a sample (``meta[i]`` with an ``include`` list, plus ``tag`` and optional
+``exclude``; every record of the world's prompt files carries it, and ``python -m stepflow.serve_reward
+reward=shapes_geneval`` passes the client's ``meta`` through), else the prompt text, a string of the
+:mod:`stepflow.shapes.prompts` grammar. An unknown prompt or malformed metadata raises a one-line ValueError naming it.
 
 :func:`geneval_table` is the evaluation metric: GenEval's overall score = mean over categories of the per-category
 strict accuracy.
@@ -19,7 +24,8 @@ import torch
 from torch import Tensor
 
 from stepflow.rewards.base import Reward, RewardOut
-from stepflow.shapes import CATEGORIES, judge, parse_prompt
+from stepflow.shapes import CATEGORIES
+from stepflow.shapes import detector as _det
 from stepflow.shapes.detector import FG_THRESHOLD
 
 __all__ = ["ShapesGenEvalReward", "geneval_table", "judge_batch"]
@@ -37,23 +43,35 @@ def _to_hwc_batch(images) -> np.ndarray:
     return np.clip(a, 0.0, 1.0)
 
 
-def judge_batch(images, prompts: Sequence[str], threshold: float = FG_THRESHOLD, min_area: int | None = None):
-    """Judge each (image, prompt) pair: a list of :class:`~stepflow.shapes.detector.JudgeResult`."""
+def _specs(prompts: Sequence[str], meta: Sequence[dict[str, Any] | None] | None) -> list:
+    """What to judge per sample: its GenEval metadata when the record carries an ``include`` list, else the prompt."""
+    if meta is None:
+        return list(prompts)
+    if len(meta) != len(prompts):
+        raise ValueError(f"shapes_geneval: {len(prompts)} prompts but {len(meta)} meta records")
+    return [m if isinstance(m, dict) and "include" in m else p for p, m in zip(prompts, meta)]
+
+
+def judge_batch(images, prompts: Sequence[str], threshold: float = FG_THRESHOLD, min_area: int | None = None,
+                meta: Sequence[dict[str, Any] | None] | None = None):
+    """Judge each (image, prompt / metadata) pair: a list of :class:`~stepflow.shapes.detector.JudgeResult`."""
     arr = _to_hwc_batch(images)
     if len(prompts) != arr.shape[0]:
         raise ValueError(f"shapes_geneval: {arr.shape[0]} images but {len(prompts)} prompts")
-    reqs = [parse_prompt(p) for p in prompts]  # fail fast, before any detection
-    return [judge(im, r, threshold=threshold, min_area=min_area) for im, r in zip(arr, reqs)]
+    return _det.judge_batch(arr, _specs(prompts, meta), threshold=threshold, min_area=min_area)  # checks specs first
 
 
-def geneval_table(images, prompts: Sequence[str], **judge_kwargs) -> dict[str, float]:
-    """Strict accuracy per category (``geneval_<category>``, for the categories present) and ``geneval``, their
-    unweighted mean (as GenEval computes its overall score)."""
-    results = judge_batch(images, prompts, **judge_kwargs)
+def geneval_table(images, prompts: Sequence[str], meta: Sequence[dict[str, Any] | None] | None = None,
+                  **judge_kwargs) -> dict[str, float]:
+    """Strict accuracy per category (``geneval_<category>``, for the categories present; the category is the
+    metadata's ``tag``) and ``geneval``, their unweighted mean (as GenEval computes its overall score)."""
+    specs = [_det.geneval_meta(s) for s in _specs(prompts, meta)]
+    results = judge_batch(images, prompts, meta=specs, **judge_kwargs)
     per: dict[str, list[float]] = {}
-    for p, r in zip(prompts, results):
-        per.setdefault(parse_prompt(p).category, []).append(float(r.strict))
-    table = {f"geneval_{c}": float(np.mean(per[c])) for c in CATEGORIES if c in per}
+    for m, r in zip(specs, results):
+        per.setdefault(m["tag"], []).append(float(r.strict))
+    order = [c for c in CATEGORIES if c in per] + [c for c in per if c not in CATEGORIES]
+    table = {f"geneval_{c}": float(np.mean(per[c])) for c in order}
     table = {"geneval": float(np.mean(list(table.values()))) if table else 0.0, **table}
     return table
 
@@ -80,12 +98,12 @@ class ShapesGenEvalReward(Reward):
         self.batch_size = int(batch_size)
 
     def score(self, images: Tensor, prompts: Sequence[str], meta: Sequence[dict[str, Any]] | None = None) -> RewardOut:
-        res = judge_batch(images, prompts, self.threshold, self.min_area)
+        res = judge_batch(images, prompts, self.threshold, self.min_area, meta=meta)
         strict = torch.tensor([float(r.strict) for r in res], dtype=torch.float32)
         partial = torch.tensor([r.partial for r in res], dtype=torch.float32)
         n_obj = torch.tensor([float(len(r.detail["detections"])) for r in res], dtype=torch.float32)
         scores = partial if self.mode == "partial" else strict
         return RewardOut(scores.clone(), {"strict": strict, "partial": partial, "n_objects": n_obj})
 
-    def geneval_table(self, images, prompts: Sequence[str]) -> dict[str, float]:
-        return geneval_table(images, prompts, threshold=self.threshold, min_area=self.min_area)
+    def geneval_table(self, images, prompts: Sequence[str], meta=None) -> dict[str, float]:
+        return geneval_table(images, prompts, meta, threshold=self.threshold, min_area=self.min_area)
