@@ -171,6 +171,7 @@ def test_encode_cache_and_negative(policies):
         c1 = pol.encode(["a cat", "a dog", "a cat"])
         assert len(calls) == 2  # one batch through each of the two encoders
         c2 = pol.encode(["a dog"])
+        assert len(calls) == 2  # cached: no encoder ran
         neg = pol.negative_cond(3)
         n = len(calls)
         pol.negative_cond(2)
@@ -190,9 +191,13 @@ def test_lora_targets_save_and_load_with_diffusers(dirs, tmp_path):
 
     from stepflow.policies.flux import LORA_TARGETS_FLUX
 
+    flow_grpo = ["attn.to_k", "attn.to_q", "attn.to_v", "attn.to_out.0", "attn.add_k_proj", "attn.add_q_proj",
+                 "attn.add_v_proj", "attn.to_add_out", "ff.net.0.proj", "ff.net.2", "ff_context.net.0.proj",
+                 "ff_context.net.2"]  # Flow-GRPO scripts/train_flux.py
+    assert sorted(LORA_TARGETS_FLUX) == sorted(flow_grpo)
     pol = _load(dirs["dev"], lora={"rank": 4, "alpha": 8.0, "targets": list(LORA_TARGETS_FLUX)})
     names = {n for n, _ in pol.transformer.named_modules() if n.endswith("lora_A")}
-    for target in LORA_TARGETS_FLUX:
+    for target in flow_grpo:
         assert any(n.startswith("transformer_blocks.0.") and n.endswith(f"{target}.lora_A") for n in names), target
     for target in ("attn.to_q", "attn.to_k", "attn.to_v"):  # single-stream blocks share the attention names
         assert any(n.startswith("single_transformer_blocks.0.") and n.endswith(f"{target}.lora_A") for n in names)
@@ -372,5 +377,5 @@ def test_bad_path_is_one_line_error(path):
 
 
 def test_dir_without_model_index_is_one_line_error(tmp_path):
-    with pytest.raises(ModelLoadError, match="model_index.json"):
+    with pytest.raises(ModelLoadError, match="has no model_index.json \\(not a diffusers pipeline folder\\)"):
         FluxPolicy.from_pretrained(str(tmp_path))

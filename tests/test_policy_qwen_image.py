@@ -169,9 +169,13 @@ def test_encode_is_the_pipelines_with_lengths_and_mask(policy):
 def test_lora_targets_save_and_load_with_diffusers(tiny_dir, tmp_path):
     from diffusers import QwenImagePipeline
 
+    flow_grpo = ["attn.to_k", "attn.to_q", "attn.to_v", "attn.to_out.0", "attn.add_k_proj", "attn.add_q_proj",
+                 "attn.add_v_proj", "attn.to_add_out", "img_mlp.net.0.proj", "img_mlp.net.2", "txt_mlp.net.0.proj",
+                 "txt_mlp.net.2"]  # Flow-GRPO scripts/train_qwenimage_edit_plus.py
+    assert sorted(LORA_TARGETS_QWEN_IMAGE) == sorted(flow_grpo)
     pol = _load(tiny_dir, lora={"rank": 4, "alpha": 8.0, "targets": list(LORA_TARGETS_QWEN_IMAGE)})
     names = {n for n, _ in pol.transformer.named_modules() if n.endswith("lora_A")}
-    for target in LORA_TARGETS_QWEN_IMAGE:
+    for target in flow_grpo:
         assert any(n.endswith(f"{target}.lora_A") for n in names), target
     assert all("lora_" in n for n, p in pol.named_parameters() if p.requires_grad)
     with torch.no_grad():
