@@ -188,6 +188,18 @@ def test_save_trained_full_loads_into_the_pipeline(dirs, family, tmp_path):
     assert (_euler(again, latents, 3) - ours).abs().max().item() <= 1e-5
 
 
+def test_save_trained_writes_a_given_state_dict(dirs, tmp_path):
+    """The loop can pass the weights to write (an FSDP full state dict gathered on rank 0, or EMA weights)."""
+    pol = _load("flux", dirs["flux"], finetune="full")
+    state = {k: v + 0.01 for k, v in pol.transformer.state_dict().items()}
+    out = pol.save_trained(tmp_path / "t", state_dict=state)
+    loaded = type(pol.transformer).from_pretrained(str(out)).state_dict()
+    assert loaded.keys() == state.keys() and all(torch.equal(loaded[k], state[k]) for k in state)
+    assert not torch.equal(next(iter(pol.transformer.parameters())), next(iter(loaded.values())))  # live untouched
+    with pytest.raises(ValueError, match="finetune=full"):
+        _load("flux", dirs["flux"], lora={"rank": 2}).save_trained(tmp_path / "l", state_dict=state)
+
+
 def test_missing_transformer_path_is_one_line_error(dirs, tmp_path):
     from stepflow.policies.pipeline import ModelLoadError
 

@@ -398,14 +398,24 @@ class FlowPolicy(nn.Module):
         """Where in a run directory :meth:`save_trained` writes: ``lora`` or ``transformer``."""
         return "transformer" if self.finetune == "full" else "lora"
 
-    def save_trained(self, directory) -> Path:
+    def save_trained(self, directory, state_dict: dict[str, Tensor] | None = None) -> Path:
         """Write what was trained in diffusers format: the LoRA (``pytorch_lora_weights.safetensors``,
         ``pipe.load_lora_weights(directory)``) or, fully fine-tuned, the transformer (``transformer.save_pretrained``:
         ``<TransformerClass>.from_pretrained(directory)``, then ``<Pipeline>.from_pretrained(base, transformer=...)``).
+
+        ``state_dict`` (full fine-tuning): the transformer's weights to write instead of the live ones, e.g. a full
+        state dict gathered from FSDP / ZeRO-3 shards on rank 0, or EMA weights (keys as ``transformer.state_dict()``).
         """
         if self.finetune != "full":
+            if state_dict is not None:
+                raise ValueError("save_trained: state_dict is for finetune=full; a LoRA is written from the adapter")
             return self.save_lora(directory)
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
-        self.transformer.save_pretrained(str(directory), safe_serialization=True)
+        model = self.transformer
+        if state_dict is not None:
+            with torch.device("meta"):
+                model = type(self.transformer).from_config(self.transformer.config)
+            model.load_state_dict(state_dict, strict=True, assign=True)
+        model.save_pretrained(str(directory), safe_serialization=True)
         return directory
