@@ -182,7 +182,7 @@ def update(lr: Learner, traj: Trajectory, adv: Tensor, x0_hat: Tensor | None, it
     if not steps:  # e.g. the ODE sampler: no step has a density, nothing to train
         chunks = []
     times = traj.times.to(pol.device)
-    params = list(pol.lora_parameters())
+    params = list(pol.trainable_parameters())
     stats: dict[str, list[float]] = {}
     pol.train()
     for chunk in chunks:
@@ -237,7 +237,7 @@ def step_loss(lr: Learner, traj: Trajectory, adv: Tensor, k: int, rows: Tensor, 
     out = sde_step(lr.sampler, x_k, v, t, t_next, t_guard=times[1], prev_sample=x_next)
     ref_mean = None
     if o.beta_kl > 0:
-        with torch.no_grad(), pol.disable_adapter():
+        with torch.no_grad(), pol.reference():  # π_ref: the LoRA disabled, or the frozen initial transformer
             v_ref = pol.velocity(x_k, t, cond, lr.guidance)
             ref_mean = sde_step(lr.sampler, x_k, v_ref, t, t_next, t_guard=times[1], prev_sample=x_next).mean
     lo = policy_loss(out.log_prob, traj.log_probs[rows, k].to(dev), a, clip_eps=o.clip_eps, mean=out.mean,

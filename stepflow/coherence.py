@@ -52,7 +52,7 @@ def signal_fraction(g: Tensor) -> float:
 
 
 def step_gradients(learner, traj, adv: Tensor, steps: Sequence[int]) -> Tensor:
-    """Flattened LoRA gradient of the GRPO loss of each step in ``steps`` over the whole batch: (len(steps), D).
+    """Flattened gradient (of the trained weights) of the GRPO loss of each step in ``steps`` over the whole batch: (len(steps), D).
 
     The loss is the training loop's own (:func:`stepflow.algorithm.step_loss` of ``learner``, β·KL included);
     ``traj``/``adv`` come from one rollout and its advantages. The weights are not changed; gradients of the LoRA
@@ -60,7 +60,7 @@ def step_gradients(learner, traj, adv: Tensor, steps: Sequence[int]) -> Tensor:
     """
     from stepflow.algorithm import step_loss
 
-    params = list(learner.policy.lora_parameters())
+    params = list(learner.policy.trainable_parameters())
     rows = torch.arange(traj.batch_size)
     times = traj.times.to(learner.policy.device)
     out = []

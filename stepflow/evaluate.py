@@ -33,8 +33,6 @@ def load_policy(cfg: DictConfig):
     """The model of ``cfg.model`` (``ckpt_path`` replaces its weights), with the LoRA of ``lora_path`` if given."""
     import hydra.utils
 
-    from stepflow.evaluation import load_lora
-
     mcfg = OmegaConf.to_container(cfg.model, resolve=True)
     ckpt = cfg.get("ckpt_path")
     if ckpt:
@@ -58,11 +56,11 @@ def load_policy(cfg: DictConfig):
         if not p.exists():
             raise StepflowError(f"lora_path: {p} does not exist")
         try:
-            info = load_lora(policy, p)
+            policy.load_lora(p)
         except (FileNotFoundError, ValueError, KeyError, RuntimeError) as e:
             msg = str(e).splitlines()[0] if str(e) else type(e).__name__
             raise StepflowError(msg if msg.startswith("lora_path") else f"lora_path: {p}: {msg}") from None
-        log.info("loaded LoRA %s (rank %d, alpha %g, %d targets)", p, info["rank"], info["alpha"], len(info["targets"]))
+        log.info("loaded LoRA %s (%d adapted modules)", p, sum(1 for _ in policy.lora_parameters()) // 2)
     return policy.eval().requires_grad_(False)
 
 

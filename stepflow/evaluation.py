@@ -169,7 +169,8 @@ def read_lora(path: str | Path) -> tuple[dict[str, Tensor], dict[str, Any]]:
     """Read a LoRA saved by peft (``adapter_model.safetensors`` + ``adapter_config.json``), by diffusers'
     ``save_lora_weights`` (``pytorch_lora_weights.safetensors``, keys prefixed ``transformer.``) or a bare
     safetensors file of peft-format keys. Returns ``(state, info)``: ``state`` in peft's key format
-    (``transformer_blocks.0.attn.to_q.lora_A.weight``) and ``info`` = ``{"rank", "alpha", "targets"}``.
+    (``transformer_blocks.0.attn.to_q.lora_A.weight``) and ``info`` = ``{"rank", "alpha", "targets"}`` (the adapted
+    modules' full names, e.g. ``transformer_blocks.0.attn.to_q``).
     """
     from safetensors import safe_open
     from safetensors.torch import load_file
@@ -198,7 +199,7 @@ def read_lora(path: str | Path) -> tuple[dict[str, Tensor], dict[str, Any]]:
     if not a_keys:
         raise ValueError(f"lora_path: {file} holds no lora_A/lora_B weights")
     rank = int(state[a_keys[0]].shape[0])
-    targets = sorted({k.split(".lora_A.")[0].split("attn.")[-1] for k in a_keys})
+    targets = sorted({k.split(".lora_A.")[0] for k in a_keys})  # the adapted modules' full names
     alpha: float | None = None
     cfg_file = file.parent / "adapter_config.json"
     if cfg_file.is_file():
@@ -210,13 +211,3 @@ def read_lora(path: str | Path) -> tuple[dict[str, Tensor], dict[str, Any]]:
     elif "lora_alpha" in meta:
         alpha = float(meta["lora_alpha"])
     return state, {"rank": rank, "alpha": float(alpha if alpha is not None else rank), "targets": targets}
-
-
-def load_lora(policy: FlowPolicy, path: str | Path) -> dict[str, Any]:
-    """Add a LoRA adapter to ``policy`` and load the weights at ``path`` (see :func:`read_lora`)."""
-    state, info = read_lora(path)
-    policy.add_lora(rank=info["rank"], alpha=info["alpha"], targets=[f"attn.{t}" for t in info["targets"]])
-    policy.load_lora_state_dict(state)
-    if hasattr(policy, "clear_cache"):
-        policy.clear_cache()
-    return info

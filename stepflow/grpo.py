@@ -33,7 +33,7 @@ class GRPOModule(L.LightningModule):
     """Stepwise-Flow-GRPO / Flow-GRPO training (manual optimization).
 
     Args:
-        policy: a FlowPolicy with a LoRA adapter added (its LoRA weights are the only trainable parameters).
+        policy: a FlowPolicy with a LoRA adapter added, or fully fine-tuned (``policy.trainable_parameters()``).
         reward: the training reward (also scores the evaluation).
         sampler / advantage: the rollout SDE and the credit scheme.
         plan: the group sampler over the training prompts.
@@ -47,7 +47,7 @@ class GRPOModule(L.LightningModule):
                  eval_cfg: EvalConfig, ema: EmaConfig, run_dir: str | Path = "."):
         super().__init__()
         self.automatic_optimization = False
-        self.strict_loading = False  # checkpoints hold only the LoRA weights
+        self.strict_loading = False  # checkpoints hold only the trained weights
         self.policy, self.reward = policy, reward
         self.loop, self.train_cfg, self.eval_cfg = loop, train, eval_cfg
         self.eval_records = eval_records
@@ -60,7 +60,9 @@ class GRPOModule(L.LightningModule):
         self.stop_signal: str | None = None  #: SIGTERM / SIGINT when a signal stopped the run
         self._pbar = None
         self._optimizer = None
-        self.ema = ParamEMA(policy.lora_parameters(), ema.decay, ema.update_every) if ema.enabled else None
+        if train.beta_kl > 0:
+            policy.prepare_reference()  # full fine-tuning: copy π_ref before any weight (or EMA swap) changes it
+        self.ema = ParamEMA(policy.trainable_parameters(), ema.decay, ema.update_every) if ema.enabled else None
         guidance = loop.guidance if loop.guidance is not None else getattr(policy, "guidance", 1.0)
         self.learner = Learner(policy, reward, sampler, AdvantageEstimator(advantage), plan, loop, train, None,
                                guidance=float(guidance), backward=self._backward,
@@ -68,9 +70,9 @@ class GRPOModule(L.LightningModule):
 
     # ------------------------------------------------------------------ optimizer and checkpoint state
     def configure_optimizers(self):
-        params = list(self.policy.lora_parameters())
+        params = list(self.policy.trainable_parameters())
         if not params:
-            raise ValueError("lora.rank: the policy has no trainable LoRA parameters (lora.rank must be > 0)")
+            raise ValueError("lora.rank: the policy has nothing to train (a LoRA with lora.rank > 0, or model.finetune=full)")
         o = self.train_cfg
         return torch.optim.AdamW(params, lr=o.lr, betas=tuple(o.betas), weight_decay=o.weight_decay, eps=o.adam_eps)
 
@@ -80,8 +82,9 @@ class GRPOModule(L.LightningModule):
         else:
             loss.backward()
 
-    def state_dict(self, *args, **kwargs):  # only the adapter: base weights come from the model config
-        return {k: v for k, v in super().state_dict(*args, **kwargs).items() if "lora_" in k}
+    def state_dict(self, *args, **kwargs):  # only the trained weights: the rest comes from the model config
+        trained = {n for n, p in self.named_parameters() if p.requires_grad}
+        return {k: v for k, v in super().state_dict(*args, **kwargs).items() if k in trained}
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         checkpoint["stepflow"] = {
@@ -213,9 +216,10 @@ class GRPOModule(L.LightningModule):
         from stepflow.plots import plot_curves
 
         plot_curves(self.history, self.run_dir / "reward_curve.png")
-        self.save_lora(self.run_dir / "lora")
+        self.save_trained(self.run_dir / self.policy.trained_subdir)
 
-    def save_lora(self, out_dir: str | Path) -> Path:
-        """Write the (EMA) adapter with diffusers' ``save_lora_weights`` (loads with ``load_lora_weights``)."""
+    def save_trained(self, out_dir: str | Path) -> Path:
+        """Write the (EMA) trained weights in diffusers format: the LoRA (``pipe.load_lora_weights(dir)``), or the
+        fully fine-tuned transformer (``transformer.save_pretrained``)."""
         with self.ema.applied() if self.ema is not None else contextlib.nullcontext():
-            return self.policy.save_lora(out_dir)
+            return self.policy.save_trained(out_dir)

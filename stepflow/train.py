@@ -39,8 +39,11 @@ def instantiate(node: Any, field: str, **kwargs: Any):
 
 
 def build_policy(cfg: DictConfig):
-    """Instantiate the model config (``_target_`` + constructor arguments) and add the LoRA adapter of ``cfg.lora``."""
+    """Instantiate the model config (``_target_`` + constructor arguments) and add the LoRA adapter of ``cfg.lora``
+    (unless the model is fully fine-tuned, ``model.finetune=full``: every transformer weight is trained)."""
     policy = instantiate(_container(cfg.model), "model")
+    if getattr(policy, "finetune", "lora") == "full":
+        return policy
     lora = to_config(cfg.lora, LoraConfig, "lora")
     policy.add_lora(rank=lora.rank, alpha=float(lora.alpha), targets=tuple(lora.targets), init=lora.init)
     return policy

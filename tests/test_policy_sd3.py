@@ -244,3 +244,75 @@ def test_gpu_check_script_runs_tiny_on_cpu(tmp_path):
     assert uni["estimate_s"] < gain["estimate_s"] and uni["nfe_estimate"] == 0 and gain["nfe_estimate"] > 0
     assert uni["images_scored"] == 4 and gain["images_scored"] == 4 * 3  # B final images vs B·(T+1)
     assert all(r["finite"] and r["steps_trained"] >= 1 and r["grad_norm"] > 0 for r in res)
+
+
+def _capture_calls(transformer):
+    """Record every forward of ``transformer``: its keyword inputs and its output."""
+    calls = []
+
+    def hook(module, args, kwargs, out):
+        calls.append({**{k: (v.detach().clone() if torch.is_tensor(v) else v) for k, v in kwargs.items()},
+                      "out": out[0].detach().clone()})
+
+    return calls, transformer.register_forward_hook(hook, with_kwargs=True)
+
+
+@pytest.fixture(scope="module")
+def bf16_pipe_and_policy(tiny_dir):
+    from diffusers import StableDiffusion3Pipeline
+
+    pipe = StableDiffusion3Pipeline.from_pretrained(str(tiny_dir), dtype=torch.bfloat16)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe, SD3Policy(pipe, height=H, width=H, max_sequence_length=SEQ)  # shares the pipeline's modules
+
+
+@pytest.mark.parametrize("guidance", [1.0, 4.5])
+def test_bf16_velocity_is_the_pipelines_fp32_timestep(bf16_pipe_and_policy, guidance):
+    """bf16 weights: on the very inputs StableDiffusion3Pipeline gives its transformer (fp32 timesteps 1000·σ), the
+    policy's velocity is the pipeline's transformer output bit for bit. Rounding the timestep to bf16 (913.35 -> 912,
+    602.15 -> 604) changes the velocity of the tiny model by up to 4 %."""
+    pipe, pol = bf16_pipe_and_policy
+    latents = torch.randn(2, *pol.latent_shape, generator=torch.Generator().manual_seed(5))
+    calls, handle = _capture_calls(pipe.transformer)
+    try:
+        pipe(PROMPTS, num_inference_steps=4, height=H, width=H, guidance_scale=guidance, max_sequence_length=SEQ,
+             latents=latents.clone(), output_type="latent")
+    finally:
+        handle.remove()
+    assert len(calls) == 4 and all(c["timestep"].dtype == torch.float32 for c in calls)
+    assert any(float(c["timestep"][0]) != torch.tensor(float(c["timestep"][0])).bfloat16().item() for c in calls)
+    for c in calls:
+        ts = c["timestep"]
+        with torch.no_grad():
+            v = pol._forward(c["hidden_states"].float(), ts / 1000, Cond(c["encoder_hidden_states"],
+                                                                       c["pooled_projections"]))
+        assert v.dtype == torch.float32
+        err = ((v - c["out"].float()).norm() / c["out"].float().norm()).item()
+        assert err <= 1e-6, f"t={float(ts[0]):.2f}: relative velocity difference {err:.2e}"
+
+
+@pytest.mark.parametrize("guidance", [1.0, 4.5])
+def test_bf16_euler_matches_pipeline_trajectory(bf16_pipe_and_policy, guidance):
+    """The policy's Euler ODE in bf16 reproduces StableDiffusion3Pipeline.__call__ in bf16 exactly when it rounds as
+    the pipeline does: the CFG combination in bf16, and FlowMatchEulerDiscreteScheduler.step's
+    ``(x.float() + dt * v_bf16).to(bf16)`` (a 0-d fp32 ``dt`` times a bf16 tensor is a bf16 product)."""
+    pipe, pol = bf16_pipe_and_policy
+    latents = torch.randn(2, *pol.latent_shape, generator=torch.Generator().manual_seed(6)).bfloat16()
+    ref = pipe(PROMPTS, num_inference_steps=4, height=H, width=H, guidance_scale=guidance, max_sequence_length=SEQ,
+               latents=latents.clone(), output_type="latent").images
+    cond = pol.encode(PROMPTS)
+    tau = pol.time_grid(4)
+    x = latents.clone()
+    with torch.no_grad():
+        for k in range(4):
+            t = tau[k].expand(2)
+            if guidance == 1.0:
+                v = pol.velocity(x.float(), t, cond).bfloat16()
+            else:  # the pipeline's batch [uncond, cond], combined in bf16
+                both = pol._forward(torch.cat([x, x]).float(), torch.cat([t, t]), Cond.cat([pol.negative_cond(2), cond]))
+                v_u, v_c = both.bfloat16().chunk(2)
+                v = v_u + guidance * (v_c - v_u)
+            x = (x.float() + (tau[k + 1] - tau[k]) * v).bfloat16()
+    err = (x.float() - ref.float()).abs().max().item()
+    print(f"max-abs bf16 ODE vs pipeline (guidance={guidance}): {err:.3e}")
+    assert err == 0.0

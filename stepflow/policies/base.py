@@ -4,17 +4,22 @@ Conventions (all policies):
 
 - time ``t`` is in [0, 1]; ``t = 1`` is pure noise, ``t = 0`` is data (rectified flow ``x_t = (1-t) x0 + t x1``);
 - ``velocity`` predicts ``v = dx/dt = x1 - x0`` (method.md §1), so an Euler step towards data is ``x - dt * v``;
-- latents are ``(B, C, H, W)``; ``decode`` maps them to images ``(B, 3, H', W')`` in [0, 1];
-- the SDE math is done by the caller in fp32 (``stepflow.sampler``); ``velocity`` returns fp32.
+- latents are ``(B, C, H, W)``; ``decode`` maps them to images ``(B, 3, H', W')`` in [0, 1]; a model that packs
+  latents into patch tokens (FLUX, Qwen-Image) packs and unpacks inside ``_forward``;
+- the SDE math is done by the caller in fp32 (``stepflow.sampler``); ``velocity`` returns fp32;
+- the time (and an embedded guidance scale) reaches the transformer's time embedding in fp32, whatever the weights'
+  dtype, as diffusers' SD3 pipeline passes it (:class:`TimeInputs` for transformers that cast it to their dtype);
+- ``time_grid(N)`` is the model's own sampling grid: ``N + 1`` strictly decreasing times from exactly 1 to exactly 0.
 
-A policy built on diffusers' ``SD3Transformer2DModel`` subclasses :class:`FlowPolicy`, sets ``self.transformer``
-and implements ``encode``/``decode``/``_transformer_inputs``; LoRA, the reference (adapter disabled) context, CFG
-and the LoRA state dict are shared here.
+A policy built on a diffusers transformer subclasses :class:`FlowPolicy`, sets ``self.transformer`` and implements
+``encode``/``decode`` (and ``_forward`` when the transformer is not SD3's). LoRA, full fine-tuning, the reference
+policy, CFG and saving what was trained are shared here.
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -34,12 +39,16 @@ LORA_TARGETS_SD3: tuple[str, ...] = (
     "attn.to_add_out",
 )
 
+#: what ``finetune`` may be: ``lora`` (adapter on ``lora.targets``, base frozen) or ``full`` (every transformer weight)
+FINETUNE_MODES = ("lora", "full")
+
 
 @dataclass
 class Cond:
     """Prompt conditioning for a batch.
 
-    tokens: (B, L, D) token states; pooled: (B, P) pooled vector; mask: optional (B, L) bool (True = real token).
+    tokens: (B, L, D) token states; pooled: (B, P) pooled vector (P may be 0: Qwen-Image has none);
+    mask: optional (B, L) bool (True = real token; None = every token is real).
     """
 
     tokens: Tensor
@@ -62,19 +71,101 @@ class Cond:
         return Cond(**{f.name: (None if getattr(self, f.name) is None else getattr(self, f.name).to(*args, **kwargs))
                        for f in fields(self)})
 
+    def pad_to(self, length: int) -> "Cond":
+        """Zero-pad the tokens to ``length`` with ``mask`` False on the padding (a no-op at the current length)."""
+        b, cur = self.tokens.shape[:2]
+        if cur == length:
+            return self
+        if cur > length:
+            raise ValueError(f"Cond.pad_to: {cur} tokens do not fit in {length}")
+        mask = self.mask if self.mask is not None else torch.ones(b, cur, dtype=torch.bool, device=self.tokens.device)
+        pad = self.tokens.new_zeros(b, length - cur, *self.tokens.shape[2:])
+        return Cond(tokens=torch.cat([self.tokens, pad], 1), pooled=self.pooled,
+                    mask=torch.cat([mask, mask.new_zeros(b, length - cur)], 1))
+
     @staticmethod
     def cat(conds: Sequence["Cond"]) -> "Cond":
+        """Concatenate along the batch; token sequences of different lengths are padded (with a mask) to the longest."""
+        length = max(c.tokens.shape[1] for c in conds)
+        if any(c.tokens.shape[1] != length for c in conds):
+            conds = [c.pad_to(length) for c in conds]
+        if any(c.mask is not None for c in conds) and any(c.mask is None for c in conds):
+            conds = [c if c.mask is not None else Cond(c.tokens, c.pooled, torch.ones(
+                c.tokens.shape[:2], dtype=torch.bool, device=c.tokens.device)) for c in conds]
         first = conds[0]
         return Cond(**{f.name: (None if getattr(first, f.name) is None else torch.cat([getattr(c, f.name) for c in conds]))
                        for f in fields(first)})
 
 
+class TimeInputs:
+    """Feeds fp32 times to a transformer's ``time_text_embed`` (a forward pre-hook).
+
+    diffusers' FLUX and Qwen-Image transformers cast ``timestep`` (and ``guidance``) to the hidden states' dtype
+    before the time embedding, so in bf16 a time of 0.91335 reaches the sinusoid as 0.9140625 (FLUX: ×1000 → 912),
+    a change of several percent in the velocity of the same state. The policy puts the exact fp32 values here for the
+    duration of one forward (:meth:`feeding`); the hook replaces the first positional arguments of
+    ``time_text_embed`` with them. Outside :meth:`feeding` (e.g. ``policy.pipe(...)``) it does nothing.
+
+    On its first use it checks that what it replaces is the same quantity (equal up to the dtype's rounding), so a
+    diffusers version that changes the time scale fails loudly instead of being fed a wrong time.
+    """
+
+    def __init__(self) -> None:
+        self.values: list[Tensor] | None = None
+        self.checked = False
+
+    @contextlib.contextmanager
+    def feeding(self, values: Sequence[Tensor]):
+        self.values = [v.float() for v in values]
+        try:
+            yield
+        finally:
+            self.values = None
+
+    def install(self, module: nn.Module):
+        return module.register_forward_pre_hook(self)
+
+    def __call__(self, module: nn.Module, args: tuple):
+        if self.values is None:
+            return None
+        new = list(args)
+        for i, v in enumerate(self.values):
+            got = new[i]
+            v = v.to(got.device)
+            if not self.checked and (got.shape != v.shape or not torch.allclose(got.float(), v, rtol=1 / 64, atol=1e-2)):
+                raise RuntimeError(f"TimeInputs: argument {i} of {type(module).__name__} is not the time the policy "
+                                   f"passed ({got.flatten()[:3].tolist()} vs {v.flatten()[:3].tolist()}); the "
+                                   f"transformer's time scaling changed (diffusers version?)")
+            new[i] = v
+        self.checked = True
+        return tuple(new)
+
+
+def check_time_grid(grid: Tensor, what: str = "time_grid") -> Tensor:
+    """``grid`` (N+1,) must decrease strictly from exactly 1.0 to exactly 0.0 (the SDE samplers' and estimates'
+    contract, method.md §1: the rollout starts from pure noise at t = 1, and the t = 1 guard of ``stepflow.sampler``
+    keys on the exact value). Returns it as fp32 on the CPU."""
+    grid = torch.as_tensor(grid).detach().float().cpu()
+    if grid.ndim != 1 or grid.numel() < 2:
+        raise ValueError(f"{what}: expected a 1-d grid of at least 2 times, got shape {tuple(grid.shape)}")
+    if float(grid[0]) != 1.0 or float(grid[-1]) != 0.0:
+        raise ValueError(f"{what}: the grid must run from exactly 1.0 to exactly 0.0, got {float(grid[0])!r} .. "
+                         f"{float(grid[-1])!r} (a scheduler option such as karras/exponential sigmas?)")
+    if not bool((grid[1:] < grid[:-1]).all()):
+        raise ValueError(f"{what}: the grid must decrease strictly, got {grid.tolist()}")
+    return grid
+
+
 class FlowPolicy(nn.Module):
-    """A text-conditioned flow-matching model that the GRPO loop can roll out and fine-tune with LoRA.
+    """A text-conditioned flow-matching model that the GRPO loop can roll out and fine-tune (LoRA or full).
 
     Subclasses must set ``self.transformer`` (a diffusers ``SD3Transformer2DModel`` or any module taking
-    ``hidden_states, encoder_hidden_states, pooled_projections, timestep``), ``self.latent_shape = (C, H, W)``
-    and implement :meth:`encode` and :meth:`decode`.
+    ``hidden_states, encoder_hidden_states, pooled_projections, timestep``; others override :meth:`_forward`),
+    ``self.latent_shape = (C, H, W)`` and implement :meth:`encode` and :meth:`decode`.
+
+    Training interface (what the GRPO loop calls): :meth:`trainable_parameters` (the optimizer's, EMA's and gradient
+    clipping's parameters), :meth:`reference` (π_ref for the KL term), :meth:`prepare_reference` (once, before the
+    first update, when β > 0), :meth:`save_trained` into ``run_dir / policy.trained_subdir``.
     """
 
     transformer: nn.Module
@@ -86,6 +177,10 @@ class FlowPolicy(nn.Module):
     #: sample-level transformer evaluations so far (CFG counts twice): the one NFE counter, read by
     #: ``stepflow.algorithm.Phases``
     nfe: int = 0
+    #: the prompt whose encoding is the unconditional branch of CFG
+    negative_prompt: str = ""
+    #: ``lora`` (adapter on the attention projections, base frozen) or ``full`` (every transformer weight trained)
+    finetune: str = "lora"
 
     # ------------------------------------------------------------------ to implement
     def encode(self, prompts: Sequence[str]) -> Cond:  # pragma: no cover - interface
@@ -97,33 +192,47 @@ class FlowPolicy(nn.Module):
         raise NotImplementedError
 
     def negative_cond(self, batch_size: int) -> Cond:
-        """Conditioning of the empty prompt, for classifier-free guidance (computed once, cached)."""
+        """Conditioning of :attr:`negative_prompt`, for classifier-free guidance (computed once, cached)."""
         if getattr(self, "_neg_cond", None) is None:
-            self._neg_cond = self.encode([""])
+            self._neg_cond = self.encode([self.negative_prompt])
         return self._neg_cond.index([0] * batch_size)
 
     # ------------------------------------------------------------------ shared
+    @property
+    def net(self) -> nn.Module:
+        """The transformer that :meth:`_forward` runs: the trained one, or the frozen reference inside
+        :meth:`reference` when fine-tuning fully."""
+        ref = getattr(self, "_ref_active", None)
+        return ref[0] if ref else self.transformer
+
     @property
     def device(self) -> torch.device:
         return next(self.transformer.parameters()).device
 
     @property
     def dtype(self) -> torch.dtype:
-        return next(self.transformer.parameters()).dtype
+        return next(self.net.parameters()).dtype
 
     def time_grid(self, num_steps: int) -> Tensor:
-        """The sampling grid (num_steps + 1,), from 1 to 0 (method.md §1)."""
+        """The sampling grid (num_steps + 1,), from 1 to 0 (method.md §1): SD3's shifted grid with :attr:`shift`."""
         from stepflow.sampler import time_grid
 
-        return time_grid(num_steps, shift=self.shift)
+        return check_time_grid(time_grid(num_steps, shift=self.shift))
 
     def _forward(self, x: Tensor, t: Tensor, cond: Cond) -> Tensor:
-        dt = self.dtype
-        out = self.transformer(
+        """One transformer evaluation: x (B, C, H, W), t (B,) fp32 in [0, 1] -> v (B, C, H, W) fp32.
+
+        The weights' dtype is applied to the states and the conditioning; the timestep ``t · timestep_scale`` stays
+        fp32 (SD3's time embedding computes its sinusoid from it in fp32 and casts the result to the weights' dtype,
+        as ``StableDiffusion3Pipeline`` does).
+        """
+        net = self.net
+        dt = next(net.parameters()).dtype
+        out = net(
             hidden_states=x.to(dt),
             encoder_hidden_states=cond.tokens.to(dt),
             pooled_projections=cond.pooled.to(dt),
-            timestep=(t * self.timestep_scale).to(dt),
+            timestep=t.float() * self.timestep_scale,
             return_dict=False,
         )[0]
         return out.float()
@@ -148,6 +257,10 @@ class FlowPolicy(nn.Module):
         v_u, v_c = both.chunk(2)
         if detach_uncond:
             v_u = v_u.detach()
+        return self._guide(v_u, v_c, guidance)
+
+    def _guide(self, v_u: Tensor, v_c: Tensor, guidance: float) -> Tensor:
+        """Classifier-free guidance ``v_u + w·(v_c − v_u)`` (a model whose pipeline rescales it overrides this)."""
         return v_u + guidance * (v_c - v_u)
 
     # ------------------------------------------------------------------ LoRA
@@ -156,12 +269,14 @@ class FlowPolicy(nn.Module):
         """Freeze the base weights and add a peft LoRA adapter named ``default`` to the transformer."""
         from peft import LoraConfig
 
+        if self.finetune == "full":
+            raise ValueError("model.finetune=full trains every transformer weight: it takes no LoRA adapter "
+                             "(set lora.rank=0, or model.finetune=lora)")
         self.transformer.requires_grad_(False)
         present = {n for n, _ in self.transformer.named_modules()}
         wanted = [t for t in targets if any(n.endswith(t) for n in present)]
         if not wanted:
             raise ValueError(f"lora.targets: none of {list(targets)} exist in the transformer; pick attention projections")
-        # peft matches a target by module-name suffix; keep only the last component to match diffusers' convention.
         # peft matches dotted suffixes: "attn.to_q" adapts the joint attention only (not SD3.5's attn2.*), as Flow-GRPO
         cfg = LoraConfig(r=rank, lora_alpha=alpha, init_lora_weights=init, lora_dropout=dropout,
                          target_modules=sorted(wanted))
@@ -194,11 +309,19 @@ class FlowPolicy(nn.Module):
 
         return get_peft_model_state_dict(self.transformer)
 
+    def _lora_writer(self):
+        """The diffusers pipeline class whose ``save_lora_weights`` writes this model's LoRA files (its own
+        pipeline's; SD3's for policies without one)."""
+        pipe = getattr(self, "pipe", None)
+        if pipe is not None and hasattr(type(pipe), "save_lora_weights"):
+            return type(pipe)
+        from diffusers import StableDiffusion3Pipeline
+
+        return StableDiffusion3Pipeline
+
     def save_lora(self, directory) -> Path:
         """Write the adapter as ``pytorch_lora_weights.safetensors`` that diffusers' ``load_lora_weights`` reads,
         with the peft config (rank, alpha, targets) as metadata so the reloaded scale alpha/rank is right."""
-        from diffusers import StableDiffusion3Pipeline
-
         if not self.has_lora:
             raise ValueError("save_lora: the policy has no LoRA adapter (set lora.rank > 0)")
         directory = Path(directory)
@@ -206,11 +329,113 @@ class FlowPolicy(nn.Module):
         config = self.transformer.peft_config["default"].to_dict()
         config = {k: (sorted(v) if isinstance(v, set) else v) for k, v in config.items()}
         state = {k: v.detach().cpu().contiguous() for k, v in self.lora_state_dict().items()}
-        StableDiffusion3Pipeline.save_lora_weights(str(directory), transformer_lora_layers=state,
-                                                   transformer_lora_adapter_metadata=config, safe_serialization=True)
+        self._lora_writer().save_lora_weights(str(directory), transformer_lora_layers=state,
+                                              transformer_lora_adapter_metadata=config, safe_serialization=True)
         return directory
+
+    def load_lora(self, directory) -> None:
+        """Add a LoRA adapter and load it from ``directory`` (a diffusers ``save_lora_weights`` folder, a peft adapter
+        folder or a ``.safetensors`` file; :func:`stepflow.evaluation.read_lora`), on exactly the modules it adapts.
+        Pipeline policies load through their pipeline's own ``load_lora_weights``."""
+        from stepflow.evaluation import read_lora
+
+        state, info = read_lora(directory)
+        self.add_lora(rank=info["rank"], alpha=info["alpha"], targets=info["targets"])
+        self.load_lora_state_dict(state)
+        if hasattr(self, "clear_cache"):
+            self.clear_cache()
 
     def load_lora_state_dict(self, state: dict[str, Tensor]) -> None:
         from peft.utils import set_peft_model_state_dict
 
         set_peft_model_state_dict(self.transformer, state)
+
+    # ------------------------------------------------------------------ fine-tuning (LoRA or full)
+    def set_finetune(self, mode: str) -> None:
+        """``lora``: only adapter weights train (base frozen; :meth:`add_lora` adds them). ``full``: every
+        transformer weight trains; the reference policy is then a frozen copy of the initial weights, made the first
+        time it is needed (:meth:`prepare_reference`), never when β = 0."""
+        if mode not in FINETUNE_MODES:
+            raise ValueError(f"model.finetune: must be one of {', '.join(FINETUNE_MODES)}, got {mode!r}")
+        if mode == "full":
+            if self.has_lora:
+                raise ValueError("model.finetune=full: the transformer already has a LoRA adapter (lora.path or "
+                                 "lora.rank > 0); full fine-tuning starts from the base weights")
+            self.transformer.requires_grad_(True)
+            self._initial_versions = self._weight_versions()
+        else:
+            self.transformer.requires_grad_(False)
+            for p in self.lora_parameters():
+                p.requires_grad_(True)
+        self.finetune = mode
+        self._ref_copy = None
+
+    def trainable_parameters(self) -> Iterator[nn.Parameter]:
+        """What the optimizer updates: the LoRA weights (``finetune=lora``) or every transformer weight (``full``)."""
+        if self.finetune == "full":
+            yield from (p for p in self.transformer.parameters() if p.requires_grad)
+        else:
+            yield from self.lora_parameters()
+
+    def _weight_versions(self) -> list[int]:
+        """In-place update counters of the transformer's weights (an optimizer step bumps them, ``.to()`` does not)."""
+        return [p._version for p in self.transformer.parameters()]
+
+    def prepare_reference(self) -> None:
+        """Make the full-fine-tuning reference now: a frozen copy of the transformer, which must still hold its
+        initial weights (call before the first optimizer step and before any EMA swap). LoRA: nothing to do."""
+        if self.finetune != "full" or getattr(self, "_ref_copy", None) is not None:
+            return
+        if self._weight_versions() != getattr(self, "_initial_versions", None):
+            raise RuntimeError("reference: the transformer's weights changed since model.finetune=full was set, so a "
+                               "copy would not be the initial policy; call policy.prepare_reference() before the "
+                               "first update (the loop does when train.beta_kl > 0)")
+        ref = copy.deepcopy(self.transformer)
+        ref.requires_grad_(False)
+        ref.eval()
+        self._ref_copy = [ref]  # a list: not registered (not in state_dict, not moved or wrapped by Lightning)
+
+    @contextlib.contextmanager
+    def reference(self):
+        """Context in which :meth:`velocity` is the reference policy π_ref (method.md §2's KL anchor): LoRA disabled
+        (``finetune=lora``), or the frozen copy of the initial transformer (``full``, made on first use)."""
+        if self.finetune != "full":
+            with self.disable_adapter():
+                yield
+            return
+        self.prepare_reference()
+        ref = self._ref_copy[0]
+        if next(ref.parameters()).device != self.device:
+            ref.to(self.device)
+        self._ref_active = [ref]
+        try:
+            yield
+        finally:
+            self._ref_active = None
+
+    @property
+    def trained_subdir(self) -> str:
+        """Where in a run directory :meth:`save_trained` writes: ``lora`` or ``transformer``."""
+        return "transformer" if self.finetune == "full" else "lora"
+
+    def save_trained(self, directory, state_dict: dict[str, Tensor] | None = None) -> Path:
+        """Write what was trained in diffusers format: the LoRA (``pytorch_lora_weights.safetensors``,
+        ``pipe.load_lora_weights(directory)``) or, fully fine-tuned, the transformer (``transformer.save_pretrained``:
+        ``<TransformerClass>.from_pretrained(directory)``, then ``<Pipeline>.from_pretrained(base, transformer=...)``).
+
+        ``state_dict`` (full fine-tuning): the transformer's weights to write instead of the live ones, e.g. a full
+        state dict gathered from FSDP / ZeRO-3 shards on rank 0, or EMA weights (keys as ``transformer.state_dict()``).
+        """
+        if self.finetune != "full":
+            if state_dict is not None:
+                raise ValueError("save_trained: state_dict is for finetune=full; a LoRA is written from the adapter")
+            return self.save_lora(directory)
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        model = self.transformer
+        if state_dict is not None:
+            with torch.device("meta"):
+                model = type(self.transformer).from_config(self.transformer.config)
+            model.load_state_dict(state_dict, strict=True, assign=True)
+        model.save_pretrained(str(directory), safe_serialization=True)
+        return directory

@@ -1,0 +1,324 @@
+"""What the policies over a diffusers text-to-image pipeline share (SD3 / SD3.5, FLUX.1, Qwen-Image).
+
+- :func:`load_pipeline`: ``<Pipeline>.from_pretrained(path)`` from a Hub id or a local diffusers folder, the VAE in its
+  own dtype, optionally a fine-tuned transformer from another folder (``transformer_path``), and every failure as
+  one actionable line (:class:`ModelLoadError`);
+- :class:`PipelinePolicy`: the pipeline's modules (shared, not copied: ``policy.pipe(...)`` samples with the
+  policy's transformer, LoRA included), frozen text encoders run once per distinct prompt (a prompt cache, optional
+  CPU offload between uses, :meth:`~PipelinePolicy.precache` then :meth:`~PipelinePolicy.free_text_encoders`),
+  chunked VAE decoding, LoRA in diffusers' format and the choice of LoRA or full fine-tuning.
+
+A subclass sets ``latent_shape`` and implements ``_encode_chunk`` (prompts -> per-prompt cache rows, with the
+pipeline's own ``encode_prompt``), ``_collate`` (cache rows -> :class:`~stepflow.policies.base.Cond`),
+``_decode_chunk`` (latents -> images in [-1, 1]) and, unless it is SD3's, ``_forward``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from stepflow.policies.base import Cond, FlowPolicy
+
+__all__ = ["ModelLoadError", "PipelinePolicy", "load_pipeline", "resolve_dtype"]
+
+_DTYPES = {
+    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+    "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
+    "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
+}
+
+try:  # the entry points print StepflowError (a ValueError) as one line
+    from stepflow.cli import StepflowError as _UserError
+except ImportError:  # pragma: no cover - stepflow.cli absent (e.g. a stripped copy on a GPU box)
+    _UserError = ValueError
+
+
+class ModelLoadError(_UserError):
+    """A model could not be loaded. The message is one line: what, where from, and how to fix it.
+
+    A ``ValueError`` (a ``stepflow.cli.StepflowError``): entry points print it as that one line, not a traceback.
+    """
+
+
+def resolve_dtype(dtype: str | torch.dtype | None, default: torch.dtype = torch.float32) -> torch.dtype:
+    """``"bfloat16"``/``"bf16"``/``"float32"``/... or a ``torch.dtype`` -> ``torch.dtype``."""
+    if dtype is None:
+        return default
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    try:
+        return _DTYPES[str(dtype).lower().removeprefix("torch.")]
+    except KeyError:
+        raise ValueError(f"dtype={dtype!r}: use one of bfloat16, float16, float32") from None
+
+
+def _first_line(err: BaseException, limit: int = 240) -> str:
+    text = str(err).strip().splitlines()
+    line = f"{type(err).__name__}: {text[0] if text else ''}".strip().rstrip(":")
+    return line if len(line) <= limit else line[: limit - 3] + "..."
+
+
+def _looks_local(path: str) -> bool:
+    """A filesystem path rather than a Hub id (``org/name``)."""
+    return Path(path).expanduser().exists() or path.startswith(("/", ".", "~")) or path.count("/") != 1
+
+
+def _offline() -> bool:
+    return os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes")
+
+
+def load_pipeline(pipeline_cls, path: str, dtype: torch.dtype = torch.bfloat16,
+                  vae_dtype: torch.dtype = torch.float32, *, what: str, example_id: str, gated: bool = False,
+                  transformer_cls=None, transformer_path: str | None = None, **kwargs: Any):
+    """``pipeline_cls.from_pretrained(path)`` with a one-line :class:`ModelLoadError` on failure.
+
+    ``path``: a Hub id or a local diffusers folder (with ``model_index.json``). The VAE loads in ``vae_dtype``,
+    everything else in ``dtype``. ``transformer_path``: a folder written by ``transformer.save_pretrained`` (e.g. a
+    fully fine-tuned run's ``transformer/``, loaded with ``transformer_cls``) that replaces the pipeline's
+    transformer. ``what`` names the model in
+    messages; ``example_id`` is the Hub id the download hint names; ``gated``: the message mentions the licence.
+    """
+    path = str(path)
+    fix = (f"download it once (e.g. `huggingface-cli download {path if not _looks_local(path) else example_id} "
+           f"--local-dir DIR`) and point at the local copy with model.path=DIR")
+    local = Path(path).expanduser()
+    if _looks_local(path):
+        if not local.is_dir():
+            raise ModelLoadError(f"cannot load the {what} model: no such directory '{path}'; {fix}")
+        if not (local / "model_index.json").is_file():
+            raise ModelLoadError(f"cannot load the {what} model: '{path}' has no model_index.json (not a diffusers "
+                                 f"pipeline folder); {fix}")
+        path = str(local)
+    try:
+        from diffusers.pipelines import pipeline_utils
+    except ImportError as err:  # pragma: no cover - environment problem
+        raise ModelLoadError(f"cannot load the {what} model '{path}': diffusers is not installed "
+                             f"({_first_line(err)})") from None
+
+    # diffusers >= 0.41 renamed torch_dtype to dtype (the old name warns); a dict gives per-component dtypes
+    dtype_key = "dtype" if hasattr(pipeline_utils, "_resolve_dtype") else "torch_dtype"
+    kwargs[dtype_key] = {"default": dtype, "vae": vae_dtype}
+    if transformer_path:
+        kwargs["transformer"] = _load_transformer(transformer_cls, str(transformer_path), dtype, dtype_key, what)
+    try:
+        pipe = pipeline_cls.from_pretrained(path, **kwargs)
+    except Exception as err:  # noqa: BLE001 - every loader failure becomes one actionable line
+        hint = " (HF_HUB_OFFLINE is set, so only the local cache is searched)" if _offline() and not local.is_dir() else ""
+        lic = "; the repo is gated: accept its licence on the Hub and `huggingface-cli login`" if gated else ""
+        raise ModelLoadError(f"cannot load the {what} model '{path}'{hint}: {_first_line(err)}; {fix}{lic}") from None
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def _load_transformer(cls, path: str, dtype: torch.dtype, dtype_key: str, what: str):
+    """``cls.from_pretrained(path)``: a transformer folder with ``config.json``."""
+    local = Path(path).expanduser()
+    if not (local / "config.json").is_file():
+        raise ModelLoadError(f"cannot load the {what} transformer: '{path}' has no config.json (expected a folder "
+                             f"written by save_trained / transformer.save_pretrained)")
+    try:
+        return cls.from_pretrained(str(local), **{dtype_key: dtype})
+    except Exception as err:  # noqa: BLE001
+        raise ModelLoadError(f"cannot load the {what} transformer '{path}': {_first_line(err)}") from None
+
+
+class PipelinePolicy(FlowPolicy):
+    """A :class:`FlowPolicy` over a diffusers pipeline (see the module docstring).
+
+    Args:
+        pipe: the loaded pipeline (its modules are shared: ``policy.pipe(...)`` uses the policy's transformer).
+        max_sequence_length: text tokens of the (last) text encoder.
+        gradient_checkpointing: checkpoint the transformer blocks in training forward passes.
+        offload_text_encoders: keep the text encoders on the CPU and move them to the device only to encode prompts
+            that are not cached yet.
+        guidance, eval_guidance: the model's recommended CFG scales for rollouts and for evaluation (1.0 = none).
+            Plain attributes for callers; the GRPO loop itself uses ``loop.guidance`` / ``eval.guidance``.
+        decode_batch_size: decode in chunks of this many latents; encode_batch_size: encode new prompts in chunks.
+        lora: ``None`` or keyword arguments of :meth:`add_lora` (``rank``, ``alpha``, ``targets``, ``init``,
+            ``dropout``) plus an optional ``path``: a folder written by :meth:`save_lora` to load the adapter from.
+        finetune: ``lora`` (default) or ``full`` (every transformer weight trainable; no adapter).
+    """
+
+    #: the pipeline's text-encoder attribute names, in the order they run
+    text_encoder_names: tuple[str, ...] = ()
+
+    def __init__(self, pipe, *, name: str | None = None, max_sequence_length: int = 256,
+                 gradient_checkpointing: bool = False, offload_text_encoders: bool = False, guidance: float = 1.0,
+                 eval_guidance: float = 1.0, decode_batch_size: int = 8, encode_batch_size: int = 16):
+        super().__init__()
+        self.pipe = pipe  # plain attribute: not a Module, its modules are registered below or kept out on purpose
+        self.transformer = pipe.transformer
+        self.vae = pipe.vae
+        self.name = name or str(getattr(pipe, "name_or_path", "") or type(self).__name__)
+        self.max_sequence_length = int(max_sequence_length)
+        self.offload_text_encoders = bool(offload_text_encoders)
+        self.guidance = float(guidance)
+        self.eval_guidance = float(eval_guidance)
+        self.decode_batch_size = int(decode_batch_size)
+        self.encode_batch_size = int(encode_batch_size)
+        #: prompt -> cache row (a tuple of tensors, see ``_encode_chunk``); filled by :meth:`encode`
+        self._prompt_cache: dict[str, tuple[Tensor, ...]] = {}
+        #: number of text-encoding calls made (each runs every text encoder on a batch of new prompts)
+        self.encoder_calls = 0
+        self._neg_cond = None
+
+        # Frozen parts; the transformer's base weights are frozen too until LoRA or full fine-tuning is set up
+        for module in (self.vae, *self.text_encoders):
+            module.requires_grad_(False)
+            module.eval()
+        self.transformer.requires_grad_(False)
+        if self.offload_text_encoders:
+            for module in self.text_encoders:
+                module.to("cpu")
+        if gradient_checkpointing:
+            self.transformer.enable_gradient_checkpointing()
+
+    def _setup_training(self, lora: Mapping[str, Any] | None, finetune: str = "lora") -> None:
+        """LoRA adapter (added or loaded) or full fine-tuning; called at the end of a subclass' ``__init__``."""
+        if finetune == "full":
+            if lora:
+                raise ValueError("model.finetune=full trains every transformer weight: drop the LoRA settings "
+                                 "(model.lora / lora.path), or use model.finetune=lora")
+            self.set_finetune("full")
+            return
+        self.set_finetune(finetune)
+        if lora:
+            lora = dict(lora)
+            lora_path = lora.pop("path", None)
+            if lora_path and not lora:
+                self.load_lora(lora_path)
+            else:
+                self.add_lora(**lora)
+                if lora_path:
+                    self.load_lora(lora_path)
+
+    # ------------------------------------------------------------------ text
+    @property
+    def text_encoders(self) -> list[torch.nn.Module]:
+        """The pipeline's text encoders that are still loaded."""
+        return [m for m in (getattr(self.pipe, n, None) for n in self.text_encoder_names) if m is not None]
+
+    @contextlib.contextmanager
+    def _text_encoders_on(self, device: torch.device):
+        encoders = self.text_encoders
+        home = [next(m.parameters()).device for m in encoders]
+        for m in encoders:
+            if next(m.parameters()).device != device:
+                m.to(device)
+        try:
+            yield
+        finally:
+            if self.offload_text_encoders:
+                for m, d in zip(encoders, home):
+                    m.to("cpu" if d == device else d)
+
+    def _encode_chunk(self, prompts: list[str]) -> list[tuple[Tensor, ...]]:  # pragma: no cover - interface
+        """A batch of prompts -> one cache row per prompt, with the pipeline's own ``encode_prompt``."""
+        raise NotImplementedError
+
+    def _collate(self, rows: list[tuple[Tensor, ...]], device: torch.device) -> Cond:
+        """Cache rows -> :class:`Cond` on ``device`` (default: rows of (tokens (L, D), pooled (P,)), stacked)."""
+        return Cond(tokens=torch.stack([r[0] for r in rows]).to(device),
+                    pooled=torch.stack([r[1] for r in rows]).to(device))
+
+    @torch.no_grad()
+    def _encode_new(self, prompts: list[str]) -> None:
+        if not self.text_encoders:
+            raise RuntimeError(f"text encoders were freed (free_text_encoders) and {len(prompts)} prompt(s) are not "
+                               f"cached, e.g. {prompts[0]!r}; call precache(all_prompts) before freeing")
+        with self._text_encoders_on(self.device):
+            for i in range(0, len(prompts), self.encode_batch_size):
+                chunk = prompts[i:i + self.encode_batch_size]
+                rows = self._encode_chunk(chunk)
+                self.encoder_calls += 1
+                for p, row in zip(chunk, rows):
+                    self._prompt_cache[p] = row
+
+    def encode(self, prompts: Sequence[str]) -> Cond:
+        """Prompts -> :class:`Cond` on the policy's device; each distinct prompt is encoded once (later calls read
+        the cache)."""
+        if isinstance(prompts, str):
+            prompts = [prompts]
+        new = list(dict.fromkeys(p for p in prompts if p not in self._prompt_cache))
+        if new:
+            self._encode_new(new)
+        return self._collate([self._prompt_cache[p] for p in prompts], self.device)
+
+    def precache(self, prompts: Iterable[str]) -> None:
+        """Encode every prompt of a dataset (and the negative prompt for CFG) ahead of time."""
+        prompts = list(dict.fromkeys(prompts))
+        new = [p for p in prompts + [self.negative_prompt] if p not in self._prompt_cache]
+        if new:
+            self._encode_new(list(dict.fromkeys(new)))
+
+    def free_text_encoders(self) -> None:
+        """Drop the text encoders (T5-XXL alone is ~9.5 GB in bf16); only cached prompts can be encoded after."""
+        for name in self.text_encoder_names:
+            setattr(self.pipe, name, None)
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+    def clear_prompt_cache(self) -> None:
+        self._prompt_cache.clear()
+        self._neg_cond = None
+
+    # ------------------------------------------------------------------ image
+    def _decode_chunk(self, z: Tensor) -> Tensor:  # pragma: no cover - interface
+        """Latents (b, C, H, W) fp32 -> the VAE's images (b, 3, H', W') in [-1, 1]."""
+        raise NotImplementedError
+
+    def decode(self, latents: Tensor) -> Tensor:
+        """latents (B, C, H, W) -> images (B, 3, H', W') in [0, 1], fp32 (in chunks of ``decode_batch_size``), as the
+        pipeline's ``output_type="pt"``: ``(vae image / 2 + 0.5).clamp(0, 1)``."""
+        out = []
+        for chunk in latents.split(max(1, self.decode_batch_size)):
+            img = self._decode_chunk(chunk.float())
+            out.append((img.float() / 2 + 0.5).clamp(0, 1))
+        return torch.cat(out).to(latents.device)
+
+    def _vae_param(self) -> Tensor:
+        return next(self.vae.parameters())
+
+    # ------------------------------------------------------------------ LoRA I/O (diffusers format)
+    def load_lora(self, directory: str | os.PathLike) -> None:
+        """Load an adapter written by :meth:`save_lora` (or any diffusers LoRA of this transformer).
+
+        If the policy already has an adapter, its weights are replaced (shapes must match); otherwise one is
+        created from the file's metadata. Base weights stay frozen, LoRA weights trainable.
+        """
+        directory = str(directory)
+        if not Path(directory).exists():
+            raise ModelLoadError(f"cannot load LoRA: no such file or directory '{directory}'")
+        if self.finetune == "full":
+            raise ValueError("model.finetune=full takes no LoRA adapter (lora.path); load a fine-tuned transformer "
+                             "with model.transformer_path instead")
+        if self.has_lora:
+            from peft.utils import set_peft_model_state_dict
+
+            state = self.pipe.lora_state_dict(directory)
+            state = {k.removeprefix("transformer."): v for k, v in state.items() if k.startswith("transformer.")}
+            result = set_peft_model_state_dict(self.transformer, state)
+            missing = [k for k in getattr(result, "unexpected_keys", []) if "lora_" in k]
+            if missing:
+                raise ValueError(f"LoRA in '{directory}' does not match the policy's adapter: {missing[:3]} ...")
+        else:
+            self.pipe.load_lora_weights(directory, adapter_name="default")
+        self.transformer.requires_grad_(False)
+        for p in self.lora_parameters():
+            p.requires_grad_(True)
+
+    def _move_to(self, device: str | torch.device | None) -> None:
+        """``from_pretrained(device=...)``: the registered modules and (unless offloaded) the text encoders."""
+        if device is None:
+            return
+        self.to(device)
+        if not self.offload_text_encoders:
+            for module in self.text_encoders:
+                module.to(device)
