@@ -159,7 +159,7 @@ def make_learner(policy, reward, scheme, args, optimizer):
     from stepflow.algorithm import Learner
     from stepflow.config import LoopConfig, TrainConfig
     from stepflow.data import GroupSampler
-    from stepflow.sampler import SamplerConfig
+    from stepflow.sde import SamplerConfig
 
     groups = max(1, args.batch // args.group_size)
     loop = LoopConfig(iterations=args.iters, prompts_per_iter=groups, group_size=args.group_size, num_steps=args.steps,

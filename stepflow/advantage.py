@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from stepflow.sampler import SAMPLERS
+from stepflow.sde import SAMPLERS
 
 __all__ = [
     "gains",

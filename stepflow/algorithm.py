@@ -27,7 +27,7 @@ from stepflow.loss import distill_loss, policy_loss
 from stepflow.policies.base import FlowPolicy
 from stepflow.rewards.base import Reward
 from stepflow.rollout import Scores, Trajectory, estimate_states, rollout, score
-from stepflow.sampler import SamplerConfig, sde_step
+from stepflow.sde import SamplerConfig, sde_step
 
 __all__ = ["Learner", "Phases", "IterationResult", "iteration", "update", "step_loss", "trainable_steps",
            "finite_advantages", "iteration_metrics"]
@@ -68,6 +68,7 @@ class Phases:
         self.policy = policy
         self.seconds: dict[str, float] = {}
         self.nfe: dict[str, int] = {}
+        self.nfe_grad: dict[str, int] = {}
         self.peak_gib: dict[str, float] = {}
 
     @contextlib.contextmanager
@@ -76,7 +77,7 @@ class Phases:
         if cuda:
             torch.cuda.synchronize(self.policy.device)
             torch.cuda.reset_peak_memory_stats(self.policy.device)
-        n0, t0 = self.policy.nfe, time.perf_counter()
+        n0, g0, t0 = self.policy.nfe, self.policy.nfe_grad, time.perf_counter()
         try:
             yield
         finally:
@@ -86,6 +87,7 @@ class Phases:
                 self.peak_gib[name] = max(self.peak_gib.get(name, 0.0), peak)
             self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - t0
             self.nfe[name] = self.nfe.get(name, 0) + self.policy.nfe - n0
+            self.nfe_grad[name] = self.nfe_grad.get(name, 0) + self.policy.nfe_grad - g0
 
 
 @dataclass(frozen=True)
@@ -183,7 +185,7 @@ def update(lr: Learner, traj: Trajectory, adv: Tensor, x0_hat: Tensor | None, it
         chunks = []
     times = traj.times.to(pol.device)
     params = list(pol.trainable_parameters())
-    stats: dict[str, list[float]] = {}
+    stats: dict[str, list[Tensor]] = {}  # detached 0-d tensors: no host sync until the end of the update
     pol.train()
     for chunk in chunks:
         n_global = dist.all_sum(len(chunk))
@@ -198,20 +200,21 @@ def update(lr: Learner, traj: Trajectory, adv: Tensor, x0_hat: Tensor | None, it
                 # chunk on all ranks (gradients are then summed over ranks), averaged over the steps
                 lr.backward(out.pop("loss") * (len(mb) / (n_global * len(steps))))
                 for name, v in out.items():
-                    stats.setdefault(name, []).append(float(v))
+                    stats.setdefault(name, []).append(v)
                     if name in ("clip_frac", "kl"):
-                        stats.setdefault(f"{name}_step{k}", []).append(float(v))
+                        stats.setdefault(f"{name}_step{k}", []).append(v)
         dist.all_reduce_grads(params)
         if o.max_grad_norm > 0:
-            stats.setdefault("grad_norm", []).append(float(torch.nn.utils.clip_grad_norm_(params, o.max_grad_norm)))
+            stats.setdefault("grad_norm", []).append(torch.nn.utils.clip_grad_norm_(params, o.max_grad_norm).detach())
         lr.optimizer.step()
         lr.opt_steps += 1
         if lr.on_optimizer_step is not None:
             lr.on_optimizer_step(lr.opt_steps - 1)
     pol.eval()
-    res = {f"train/{k}": sum(v) / len(v) for k, v in stats.items()}
-    if "ratio_min" in stats:
-        res["train/ratio_min"], res["train/ratio_max"] = min(stats["ratio_min"]), max(stats["ratio_max"])
+    flat = {k: torch.stack([x.double() for x in v]).cpu() for k, v in stats.items()}  # one host sync
+    res = {f"train/{k}": float(v.sum()) / len(v) for k, v in flat.items()}
+    if "ratio_min" in flat:
+        res["train/ratio_min"], res["train/ratio_max"] = float(flat["ratio_min"].min()), float(flat["ratio_max"].max())
     res["train/samples_trained"], res["train/steps_trained"] = float(len(rows)), float(len(steps))
     return res
 
@@ -264,5 +267,8 @@ def iteration_metrics(res: IterationResult, world: int) -> dict[str, float]:
     m["time/iteration_s"] = sum(s.values())
     m.update({"cost/nfe": sum(n.values()) * world, "cost/nfe_rollout": n.get("rollout", 0) * world,
               "cost/nfe_estimate": n.get("estimate", 0) * world, "cost/reward_calls": 1,
-              "cost/reward_images": res.scores.images * world})
+              "cost/reward_images": res.scores.images * world,
+              # a backward costs about two forwards: forward-equivalent NFEs of the iteration
+              "cost/nfe_backward": sum(res.phases.nfe_grad.values()) * world,
+              "cost/nfe_fwd_equiv": (sum(n.values()) + 2 * sum(res.phases.nfe_grad.values())) * world})
     return m

@@ -18,7 +18,7 @@ from typing import Any
 from omegaconf import MISSING, DictConfig, OmegaConf
 
 from stepflow.advantage import AdvantageConfig
-from stepflow.sampler import SamplerConfig
+from stepflow.sde import SamplerConfig
 
 __all__ = ["LoopConfig", "TrainConfig", "EvalConfig", "EmaConfig", "LoraConfig", "DataConfig", "RunConfig",
            "register_configs", "to_config", "KL_MODES"]

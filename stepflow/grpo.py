@@ -24,7 +24,7 @@ from stepflow.dist import Dist
 from stepflow.ema import ParamEMA
 from stepflow.policies.base import FlowPolicy
 from stepflow.rewards.base import Reward
-from stepflow.sampler import SamplerConfig
+from stepflow.sde import SamplerConfig
 
 __all__ = ["GRPOModule"]
 

@@ -21,7 +21,7 @@ from stepflow.data import IterationPlan, seeded_normal
 from stepflow.estimate import estimate_x0_with_nfe
 from stepflow.policies.base import Cond, FlowPolicy
 from stepflow.rewards.base import Reward
-from stepflow.sampler import SamplerConfig, sde_step
+from stepflow.sde import SamplerConfig, sde_step
 
 __all__ = ["Trajectory", "Scores", "rollout", "estimate_states", "score"]
 

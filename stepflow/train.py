@@ -62,7 +62,7 @@ def check_train_steps(train: TrainConfig, sampler, num_steps: int) -> None:
     Which steps are deterministic does not depend on the grid's shift (σ = 0 only where t = 1 or s = 0, the grid's
     ends), so a shift-1 grid stands in for the model's.
     """
-    from stepflow.sampler import step_std, time_grid
+    from stepflow.sde import step_std, time_grid
 
     steps = train.train_steps
     if steps is None:
@@ -86,7 +86,7 @@ def build_module(cfg: DictConfig, run_dir: Path):
     from stepflow.advantage import AdvantageConfig
     from stepflow.data import GroupSampler, load_prompt_file
     from stepflow.grpo import GRPOModule
-    from stepflow.sampler import SamplerConfig
+    from stepflow.sde import SamplerConfig
 
     loop = to_config(cfg.loop, LoopConfig, "loop")
     train = to_config(cfg.train, TrainConfig, "train")

@@ -65,7 +65,7 @@ def test_step_gradients_are_the_loss_gradients_and_leave_weights_alone(tmp_path)
     for b, p in zip(before, pol.lora_parameters()):
         assert torch.equal(b, p.detach()) and p.grad is None
     # independent reference: on-policy (ratio 1) the GRPO gradient of step k is -mean_i A_ik grad log pi(x_k+1 | x_k)
-    from stepflow.sampler import sde_step
+    from stepflow.sde import sde_step
 
     k = steps[0]
     params = list(pol.lora_parameters())

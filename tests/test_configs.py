@@ -13,7 +13,7 @@ from omegaconf import OmegaConf
 from stepflow.advantage import AdvantageConfig
 from stepflow.cli import CONF_DIR, StepflowError
 from stepflow.config import EmaConfig, EvalConfig, LoopConfig, LoraConfig, RunConfig, TrainConfig, to_config
-from stepflow.sampler import DEFAULT_LOGPROB, SamplerConfig
+from stepflow.sde import DEFAULT_LOGPROB, SamplerConfig
 
 GROUPS = ["model", "reward", "advantage", "sampler", "data", "trainer", "logger", "experiment"]
 OPTIONS = [(g, p.stem) for g in GROUPS for p in sorted((CONF_DIR / g).glob("*.yaml"))]
@@ -116,3 +116,11 @@ def test_a_bad_value_names_its_field(section, value, needle):
     node = OmegaConf.merge(OmegaConf.structured(SECTIONS[section]), value)
     with pytest.raises(StepflowError, match=needle.replace(".", r"\.")):
         to_config(node, SECTIONS[section], section)
+
+
+def test_uniform_credit_is_flow_grpos_released_setting():
+    """advantage=uniform normalises by the batch's std as Flow-GRPO's released configs do (sample.global_std=True);
+    gains keep the group std of the paper's Eq. 5."""
+    assert compose_config("train", ["advantage=uniform"]).advantage.std_scope == "global"
+    assert compose_config("train", ["experiment=paper_fig6_sde", "advantage=uniform"]).advantage.std_scope == "global"
+    assert compose_config("train").advantage.std_scope == "group"

@@ -217,7 +217,7 @@ def test_one_full_finetune_grpo_update(dirs, family):
     from stepflow.data import IterationPlan
     from stepflow.loss import policy_loss
     from stepflow.rollout import rollout
-    from stepflow.sampler import SamplerConfig, sde_step
+    from stepflow.sde import SamplerConfig, sde_step
 
     pol = _load(family, dirs[family], finetune="full")
     pol.prepare_reference()  # the loop: once at setup when train.beta_kl > 0

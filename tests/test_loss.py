@@ -10,7 +10,7 @@ import torch
 from torch.distributions import Normal, kl_divergence
 
 from stepflow.loss import distill_loss, gaussian_kl, grpo_surrogate, policy_loss
-from stepflow.sampler import SamplerConfig, sde_step, time_grid
+from stepflow.sde import SamplerConfig, sde_step, time_grid
 
 
 def test_gradient_at_ratio_one_is_minus_adv_grad_log_prob():

@@ -280,7 +280,7 @@ def test_sde_steps_and_estimates_on_flux_grid(dirs, height, steps):
     per-step std and log-prob are finite (t = 1 handled by t_guard = τ_1), and the x̂0 estimate is exact for
     point-mass data (v = (x − c)/t) from every grid state."""
     from stepflow.estimate import estimate_x0
-    from stepflow.sampler import SamplerConfig, sde_step, step_std
+    from stepflow.sde import SamplerConfig, sde_step, step_std
 
     pol = FluxPolicy(_load(dirs["dev"]).pipe, height=height, width=height, max_sequence_length=SEQ)
     grid = pol.time_grid(steps)
@@ -326,7 +326,7 @@ def test_rollout_on_the_policys_grid(policies):
     finite, and the ODE rollout equals the Euler sampler."""
     from stepflow.data import IterationPlan
     from stepflow.rollout import rollout
-    from stepflow.sampler import SamplerConfig
+    from stepflow.sde import SamplerConfig
 
     pol = policies["dev"]
     seeds = torch.tensor([3, 4])

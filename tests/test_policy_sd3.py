@@ -43,7 +43,7 @@ def policy(tiny_dir):
 def _grid(policy, n):
     try:
         return policy.time_grid(n)
-    except ImportError:  # stepflow.sampler not there yet: the scheduler's sigmas are the same grid
+    except ImportError:  # stepflow.sde not there yet: the scheduler's sigmas are the same grid
         from diffusers import FlowMatchEulerDiscreteScheduler
 
         s = FlowMatchEulerDiscreteScheduler(shift=policy.shift)

@@ -4,8 +4,6 @@ published formula computed here with the raw ``CLIPModel.forward`` (``logits_per
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 import torch.nn as nn
@@ -15,51 +13,17 @@ from stepflow.rewards.errors import RewardLoadError
 PROMPTS = ["a photo of a cat", "a red cube on a table", "two dogs", "an astronaut riding a horse"]
 
 
-def _bytes_to_unicode() -> dict[int, str]:
-    """GPT-2/CLIP byte-level alphabet (printable bytes map to themselves, the rest to code points >= 256)."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
-    cs = bs[:]
-    n = 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return dict(zip(bs, map(chr, cs)))
-
-
 def _clip_tokenizer():
-    """A tiny but complete byte-level CLIP BPE tokenizer (516 tokens, two merges): any text tokenizes."""
-    from transformers import CLIPTokenizer
+    from stepflow.rewards.tiny import clip_tokenizer
 
-    v = list(_bytes_to_unicode().values())
-    merges = [("a", "t</w>"), ("c", "at</w>")]
-    v = v + [x + "</w>" for x in v] + ["at</w>", "cat</w>", "<|startoftext|>", "<|endoftext|>"]
-    return CLIPTokenizer(vocab={t: i for i, t in enumerate(v)}, merges=merges, model_max_length=77)
+    return clip_tokenizer()
 
 
 @pytest.fixture(scope="module")
 def tiny_clip_dir(tmp_path_factory):
-    from transformers import CLIPConfig, CLIPImageProcessor, CLIPModel, CLIPProcessor
+    from stepflow.rewards.tiny import build_tiny_clip
 
-    torch.manual_seed(0)
-    tok = _clip_tokenizer()
-    cfg = CLIPConfig(
-        text_config=dict(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, max_position_embeddings=77, bos_token_id=tok.bos_token_id,
-                         eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id),
-        vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                           image_size=32, patch_size=8, projection_dim=768),
-        projection_dim=768,  # ViT-L/14's embedding width, which the aesthetic head expects
-        logit_scale_init_value=math.log(57.0),
-    )
-    model = CLIPModel(cfg).eval()
-    proc = CLIPProcessor(image_processor=CLIPImageProcessor(size={"shortest_edge": 32},
-                                                            crop_size={"height": 32, "width": 32}), tokenizer=tok)
-    d = tmp_path_factory.mktemp("tiny_clip")
-    model.save_pretrained(d)
-    proc.save_pretrained(d)
-    return str(d)
+    return str(build_tiny_clip(tmp_path_factory.mktemp("tiny_clip"), seed=0))
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,7 @@ Conventions (all policies):
 - ``velocity`` predicts ``v = dx/dt = x1 - x0`` (method.md §1), so an Euler step towards data is ``x - dt * v``;
 - latents are ``(B, C, H, W)``; ``decode`` maps them to images ``(B, 3, H', W')`` in [0, 1]; a model that packs
   latents into patch tokens (FLUX, Qwen-Image) packs and unpacks inside ``_forward``;
-- the SDE math is done by the caller in fp32 (``stepflow.sampler``); ``velocity`` returns fp32;
+- the SDE math is done by the caller in fp32 (``stepflow.sde``); ``velocity`` returns fp32;
 - the time (and an embedded guidance scale) reaches the transformer's time embedding in fp32, whatever the weights'
   dtype, as diffusers' SD3 pipeline passes it (:class:`TimeInputs` for transformers that cast it to their dtype);
 - ``time_grid(N)`` is the model's own sampling grid: ``N + 1`` strictly decreasing times from exactly 1 to exactly 0.
@@ -143,7 +143,7 @@ class TimeInputs:
 
 def check_time_grid(grid: Tensor, what: str = "time_grid") -> Tensor:
     """``grid`` (N+1,) must decrease strictly from exactly 1.0 to exactly 0.0 (the SDE samplers' and estimates'
-    contract, method.md §1: the rollout starts from pure noise at t = 1, and the t = 1 guard of ``stepflow.sampler``
+    contract, method.md §1: the rollout starts from pure noise at t = 1, and the t = 1 guard of ``stepflow.sde``
     keys on the exact value). Returns it as fp32 on the CPU."""
     grid = torch.as_tensor(grid).detach().float().cpu()
     if grid.ndim != 1 or grid.numel() < 2:
@@ -175,8 +175,9 @@ class FlowPolicy(nn.Module):
     #: timestep scale the transformer expects (diffusers SD3: t * 1000)
     timestep_scale: float = 1000.0
     #: sample-level transformer evaluations so far (CFG counts twice): the one NFE counter, read by
-    #: ``stepflow.algorithm.Phases``
+    #: ``stepflow.algorithm.Phases``; ``nfe_grad``: those made with autograd on (each also costs a backward)
     nfe: int = 0
+    nfe_grad: int = 0
     #: the prompt whose encoding is the unconditional branch of CFG
     negative_prompt: str = ""
     #: ``lora`` (adapter on the attention projections, base frozen) or ``full`` (every transformer weight trained)
@@ -215,7 +216,7 @@ class FlowPolicy(nn.Module):
 
     def time_grid(self, num_steps: int) -> Tensor:
         """The sampling grid (num_steps + 1,), from 1 to 0 (method.md §1): SD3's shifted grid with :attr:`shift`."""
-        from stepflow.sampler import time_grid
+        from stepflow.sde import time_grid
 
         return check_time_grid(time_grid(num_steps, shift=self.shift))
 
@@ -249,7 +250,10 @@ class FlowPolicy(nn.Module):
         t = torch.as_tensor(t, dtype=torch.float32, device=x.device)
         if t.ndim == 0:
             t = t.expand(b)
-        self.nfe += b if guidance == 1.0 else 2 * b
+        n = b if guidance == 1.0 else 2 * b
+        self.nfe += n
+        if torch.is_grad_enabled():
+            self.nfe_grad += n
         if guidance == 1.0:
             return self._forward(x, t, cond)
         neg = self.negative_cond(b).to(x.device)

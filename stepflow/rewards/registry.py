@@ -17,7 +17,7 @@ __all__ = ["build_reward", "reward_config", "RewardLoadError", "RewardServiceErr
            "REWARD_NAMES"]
 
 #: the reward configs stepflow ships (``reward=<name>``)
-REWARD_NAMES = ("shapes_geneval", "pickscore", "clipscore", "hpsv2", "aesthetic", "imagereward", "ocr", "remote",
+REWARD_NAMES = ("shapes_geneval", "pickscore", "pickscore_tiny", "clipscore", "hpsv2", "aesthetic", "imagereward", "ocr", "remote",
                 "geneval_server", "unifiedreward", "multi")
 
 

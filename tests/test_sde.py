@@ -1,4 +1,4 @@
-"""stepflow.sampler against independent references: diffusers' scheduler, method.md's printed numbers, closed-form
+"""stepflow.sde against independent references: diffusers' scheduler, method.md's printed numbers, closed-form
 formulas re-derived here in plain python/numpy (the x̂0/x̂1 forms of method.md, not the code's forms),
 torch.distributions, and Monte-Carlo sampling of Gaussian data with the exact velocity field."""
 
@@ -12,7 +12,7 @@ import torch
 from diffusers import FlowMatchEulerDiscreteScheduler
 from torch.distributions import Normal
 
-from stepflow.sampler import (
+from stepflow.sde import (
     SamplerConfig,
     cps_step,
     ddim_sde_step,

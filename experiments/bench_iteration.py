@@ -1,0 +1,163 @@
+#!/usr/bin/env python
+"""Benchmark: one GRPO iteration with gain credit against one with uniform credit, interleaved in one process.
+
+    python experiments/bench_iteration.py [--settings shapes_default,shapes_paper,sd3_default,sd3_paper] \
+        [--iters 6] [--warmup 1] [--json out.json] [--threads 1] [-- extra Hydra overrides]
+
+For each setting, builds a gain module and a uniform module from the training config (``conf/train.yaml`` + the
+setting's overrides), then alternates their iterations (gain, uniform, gain, ...) so load on the machine hits both
+alike; the first ``--warmup`` iterations of each are dropped. Reports medians of: seconds per phase (rollout,
+estimate, reward, advantage, update) and per iteration; NFEs (sample-level transformer forwards, CFG counted twice)
+and forward-equivalent NFEs (a backward counted as 2 forwards); images decoded and scored; the share of the
+iteration spent inside model evaluations (transformer forward + backward, VAE decode); the gain ÷ uniform ratios.
+
+Settings (CPU, one torch thread):
+
+- ``shapes_default``: the no-argument default recipe (shapes, step 0 trained, T′ = 2, 4 prompts × 16);
+- ``shapes_paper``: the paper's settings on the embedded world (T′ = 5, steps 0–8 trained, β_KL 0.04, flow_sde);
+- ``sd3_default`` / ``sd3_paper``: the same on the tiny SD3 pipeline (64 px, 16-channel VAE) with PickScore's
+  formula on a tiny random CLIP (``reward=pickscore_tiny``); the default adds the first-step guard so step 0 is noisy.
+
+Prints a markdown table (pasted into docs/results.md) and writes JSON with every iteration's numbers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+SETTINGS = {
+    "shapes_default": [],
+    "shapes_paper": ["loop.substeps=5", "train.train_steps=null", "train.timestep_fraction=0.99", "train.beta_kl=0.04",
+                     "train.kl_mode=flow_grpo_parity", "sampler=flow_sde"],
+    "sd3_default": ["model=sd3_tiny", "reward=pickscore_tiny", "sampler.first_step_guard=true", "train.train_steps=[0]"],
+    "sd3_paper": ["model=sd3_tiny", "reward=pickscore_tiny", "loop.substeps=5", "train.timestep_fraction=0.99",
+                  "train.beta_kl=0.04", "train.kl_mode=flow_grpo_parity", "sampler=flow_sde"],
+}
+PHASES = ("rollout", "estimate", "reward", "advantage", "update")
+
+
+class ModelClock:
+    """Seconds spent inside the model: the policy's velocity (forward) and decode, and the backward passes."""
+
+    def __init__(self, module):
+        self.seconds = 0.0
+        pol, lr = module.policy, module.learner
+        for name in ("velocity", "decode"):
+            setattr(pol, name, self._timed(getattr(pol, name)))
+        lr.backward = self._timed(lr.backward)
+
+    def _timed(self, fn):
+        def wrapper(*a, **k):
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                self.seconds += time.perf_counter() - t0
+        return wrapper
+
+
+def build(overrides: list[str], scheme: str, run_dir: Path):
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    from stepflow.cli import CONF_DIR
+    from stepflow.train import build_module
+
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        cfg = compose(config_name="train", overrides=[*overrides, f"advantage={scheme}"])
+    GlobalHydra.instance().clear()
+    module = build_module(cfg, run_dir)
+    return module, ModelClock(module)
+
+
+def one(module, clock) -> dict[str, float]:
+    m0 = clock.seconds
+    t0 = time.perf_counter()
+    m = module.iterate()
+    wall = time.perf_counter() - t0
+    rec = {p: m[f"time/{p}_s"] for p in PHASES}
+    rec.update(iteration=wall, model_share=(clock.seconds - m0) / wall, nfe=m["cost/nfe"],
+               fwd_equiv=m["cost/nfe_fwd_equiv"], images=m["cost/reward_images"],
+               decoded=m["cost/reward_images"])
+    return rec
+
+
+def bench(name: str, overrides: list[str], iters: int, warmup: int, run_dir: Path) -> dict:
+    from tqdm.auto import tqdm
+
+    mods = {s: build(overrides, s, run_dir / name / s) for s in ("gain", "uniform")}
+    recs: dict[str, list[dict]] = {s: [] for s in mods}
+    for i in tqdm(range(iters + warmup), desc=name):
+        for s, (module, clock) in mods.items():  # interleaved: gain, uniform, gain, uniform, ...
+            r = one(module, clock)
+            if i >= warmup:
+                recs[s].append(r)
+    med = {s: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for s, rs in recs.items()}
+    g, u = med["gain"], med["uniform"]
+    return {"setting": name, "overrides": overrides, "iterations": iters, "median": med, "runs": recs,
+            "ratio": {k: g[k] / u[k] if u[k] else float("nan") for k in ("iteration", "nfe", "fwd_equiv", "images")}}
+
+
+def table(results: list[dict]) -> str:
+    head = ("| setting | scheme | s/it | " + " | ".join(PHASES) + " | NFE | fwd-equiv NFE | images | model share |"
+            " gain ÷ uniform (s/it, fwd-equiv) |")
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    for r in results:
+        for s in ("gain", "uniform"):
+            m = r["median"][s]
+            ratio = f"**{r['ratio']['iteration']:.2f}×**, {r['ratio']['fwd_equiv']:.2f}×" if s == "gain" else ""
+            lines.append(f"| {r['setting']} | {s} | {m['iteration']:.2f} | " + " | ".join(f"{m[p]:.2f}" for p in PHASES)
+                         + f" | {m['nfe']:.0f} | {m['fwd_equiv']:.0f} | {m['images']:.0f} | {m['model_share']:.0%} | {ratio} |")
+    return "\n".join(lines)
+
+
+@contextmanager
+def _quiet():
+    import logging
+    import warnings
+
+    logging.getLogger("lightning").setLevel(logging.ERROR)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        yield
+
+
+def main(argv=None) -> list[dict]:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--settings", default="shapes_default,shapes_paper,sd3_default,sd3_paper")
+    ap.add_argument("--iters", type=int, default=6, help="measured iterations per scheme")
+    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--run-dir", default="/tmp/stepflow_bench")
+    ap.add_argument("overrides", nargs="*", help="Hydra overrides added to every setting")
+    args = ap.parse_args(argv)
+    import torch
+
+    torch.set_num_threads(args.threads)
+    sys.path.insert(0, str(ROOT / "tests"))
+    results = []
+    with _quiet():
+        for name in [s.strip() for s in args.settings.split(",") if s.strip()]:
+            if name not in SETTINGS:
+                ap.error(f"--settings: unknown setting {name!r}; choose from {', '.join(SETTINGS)}")
+            results.append(bench(name, SETTINGS[name] + args.overrides, args.iters, args.warmup, Path(args.run_dir)))
+            print(table(results[-1:]), flush=True)
+    print(table(results))
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(results, indent=1))
+    return results
+
+
+if __name__ == "__main__":
+    main()
