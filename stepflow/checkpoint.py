@@ -107,9 +107,9 @@ class IterationCheckpoint(Callback):
         it = int(getattr(pl_module, "iteration", trainer.current_epoch + 1))
         if it == self._saved_iteration or it == 0:
             return
-        trainer.save_checkpoint(str(self.last))
+        trainer.save_checkpoint(str(self.last), weights_only=False)  # the whole state: an exact resume
         if self.keep_every and it % self.keep_every == 0:
-            trainer.save_checkpoint(str(self.dirpath / f"iter_{it:04d}.ckpt"))
+            trainer.save_checkpoint(str(self.dirpath / f"iter_{it:04d}.ckpt"), weights_only=False)
         self._saved_iteration = it
 
     def on_train_epoch_end(self, trainer, pl_module) -> None:
