@@ -49,7 +49,7 @@ def measure(overrides: list[str], batches: int, schemes: list[str]) -> dict:
         x0 = estimate_states(lr.policy, traj, lp.substeps, lr.guidance, lp.adaptive_substeps, lp.estimate_chunk)
         rewards = score(lr.policy, lr.reward, traj, x0, lp.decode_chunk).rewards
         every = dataclasses.replace(lr.train, train_steps=None, timestep_fraction=1.0)
-        steps = trainable_steps(traj, every)  # every stochastic step, whatever train.train_steps says
+        steps = trainable_steps(every, lr.sampler, traj.times)  # every stochastic step, whatever train_steps says
         for s, est in estimators.items():
             adv = est(rewards, plan.group_ids, lp.num_steps).advantages
             grads[s].append(step_gradients(lr, traj, adv, steps))

@@ -221,6 +221,10 @@ class AdvantageConfig:
               need whatever ``sampler`` says (``distill``: ``ode``, conf/advantage/distill.yaml).
     same_latent: None (``loop.same_latent``) | the value this scheme needs (``distill``: False, its diversity
               comes from the initial noise).
+    over:     ``all`` (the gains of every step enter the normalisation, Eq. 5) | ``trained`` (only the trained
+              steps' gains, normalised jointly over them; ``gain`` / ``gain_per_step`` only). With ``trained`` the
+              advantages of the trained steps depend only on the states around them, so the loop estimates and
+              scores only those and stops the rollout after the last one (:meth:`AdvantageEstimator.states_needed`).
     """
 
     scheme: str = "gain"
@@ -233,6 +237,7 @@ class AdvantageConfig:
     norm: str | None = None
     rollout_sampler: str | None = None
     same_latent: bool | None = None
+    over: str = "all"
 
     def __post_init__(self) -> None:
         if self.scheme not in SCHEMES:
@@ -241,6 +246,11 @@ class AdvantageConfig:
             raise ValueError(f"std_scope: must be one of {STD_SCOPES}, got {self.std_scope!r}")
         if self.norm not in NORMS:
             raise ValueError(f"norm: must be one of {NORMS}, got {self.norm!r}")
+        if self.over not in ("all", "trained"):
+            raise ValueError(f"over: must be all or trained, got {self.over!r}")
+        if self.over == "trained" and self.scheme not in ("gain", "gain_per_step"):
+            raise ValueError(f"over: trained needs scheme gain or gain_per_step (a {self.scheme} advantage reads "
+                             "every step's gain); use over=all")
         if self.rollout_sampler not in (None, *SAMPLERS):
             raise ValueError(f"rollout_sampler: must be null or one of {SAMPLERS}, got {self.rollout_sampler!r}")
         if not (isinstance(self.eps, (int, float)) and self.eps >= 0):
@@ -285,25 +295,43 @@ class AdvantageEstimator:
         """False for ``uniform`` (only the final reward is read), True otherwise."""
         return self.cfg.scheme != "uniform"
 
+    def states_needed(self, trained: list[int], num_steps: int) -> list[int]:
+        """The states k ∈ 0..T whose rewards R_k the advantages of the ``trained`` steps read: ``[T]`` for uniform
+        credit, all of them for gains normalised over every step, ``{k, k + 1 : k trained}`` with ``over=trained``."""
+        if not self.needs_stepwise_rewards:
+            return [num_steps]
+        if self.cfg.over == "trained":
+            return sorted({s for k in trained for s in (k, k + 1)})
+        return list(range(num_steps + 1))
+
     def _normalize(self, values: Tensor, group_ids: Tensor) -> Tensor:
         fn = group_normalize if self.cfg.effective_norm == "joint" else normalize_per_step
         return fn(values, group_ids, std_scope=self.cfg.std_scope, eps=self.cfg.eps)
 
-    def __call__(self, rewards: Tensor, group_ids: Tensor, num_steps: int | None = None) -> AdvantageOut:
-        """rewards: (B, T+1) (for ``uniform`` only the last column is read; others may be NaN);
-        group_ids: (B,) long; num_steps: T (checked against ``rewards``).  Returns :class:`AdvantageOut`."""
+    def __call__(self, rewards: Tensor, group_ids: Tensor, num_steps: int | None = None,
+                 trained: list[int] | None = None) -> AdvantageOut:
+        """rewards: (B, T+1) (only the columns :meth:`states_needed` names are read; others may be NaN);
+        group_ids: (B,) long; num_steps: T (checked against ``rewards``); trained: the trained steps (``over=trained``
+        only; the other steps get advantage 0).  Returns :class:`AdvantageOut`."""
         cfg = self.cfg
         if rewards.ndim != 2 or rewards.shape[1] < 2:
             raise ValueError(f"rewards: expected shape (B, T+1), got {tuple(rewards.shape)}")
         t = rewards.shape[1] - 1
         if num_steps is not None and num_steps != t:
             raise ValueError(f"num_steps: {num_steps} does not match rewards with {t + 1} columns")
-        used = rewards[:, -1] if cfg.scheme == "uniform" else rewards
-        if not bool(torch.isfinite(used).all()):
+        cols = self.states_needed(list(trained or []), t)
+        if not bool(torch.isfinite(rewards[:, cols]).all()):
             raise ValueError("rewards: non-finite values in the columns this scheme reads")
 
         g = None
-        if cfg.scheme == "uniform":
+        if cfg.over == "trained":  # gains of the trained steps only, normalised jointly over them (or per step)
+            g = torch.zeros(rewards.shape[0], t, dtype=torch.float64)
+            ks = sorted(trained or [])
+            adv = torch.zeros(rewards.shape[0], t, dtype=torch.float32)
+            if ks:
+                g[:, ks] = (rewards[:, [k + 1 for k in ks]] - rewards[:, ks]).detach().to(torch.float64)
+                adv[:, ks] = self._normalize(g[:, ks], group_ids)
+        elif cfg.scheme == "uniform":
             adv = uniform_advantages(rewards[:, -1], group_ids, t, std_scope=cfg.std_scope, eps=cfg.eps)
         else:
             g = gains(rewards.detach().to(torch.float64))
@@ -316,10 +344,11 @@ class AdvantageEstimator:
             adv = self._normalize(src, group_ids)
         raw = adv
         adv = adv.clamp(-cfg.adv_clip, cfg.adv_clip)
-        stats = self._stats(raw, adv, g, rewards, group_ids)
+        stats = self._stats(raw, adv, g, rewards, group_ids, sorted(trained or []) if cfg.over == "trained" else None)
         return AdvantageOut(advantages=adv, gains=None if g is None else g.to(torch.float32), stats=stats)
 
-    def _stats(self, raw: Tensor, adv: Tensor, g: Tensor | None, rewards: Tensor, group_ids: Tensor) -> dict:
+    def _stats(self, raw: Tensor, adv: Tensor, g: Tensor | None, rewards: Tensor, group_ids: Tensor,
+               gain_steps: list[int] | None = None) -> dict:
         b, t = adv.shape
         inv, k = _group_index(group_ids, b)
         row_zero = (adv == 0).all(dim=1)  # (B,)
@@ -335,10 +364,13 @@ class AdvantageEstimator:
             stats[f"adv_abs_mean_step{j}"] = float(adv_abs[j].item())
         if g is not None:
             g_abs = g.abs().mean(dim=0)
-            for j in range(t):
+            for j in (range(t) if gain_steps is None else gain_steps):
                 stats[f"gain_abs_mean_step{j}"] = float(g_abs[j].item())
-            stats["gain_mean"] = float(g.mean().item())
-            stats["telescope_mean"] = float((rewards[:, -1] - rewards[:, 0]).double().mean().item())
+            if gain_steps != []:
+                stats["gain_mean"] = float((g if gain_steps is None else g[:, gain_steps]).mean().item())
+            telescope = (rewards[:, -1] - rewards[:, 0]).double()
+            if bool(torch.isfinite(telescope).all()):
+                stats["telescope_mean"] = float(telescope.mean().item())
         return stats
 
     def state_dict(self) -> dict:

@@ -27,7 +27,7 @@ from stepflow.loss import distill_loss, policy_loss
 from stepflow.policies.base import FlowPolicy
 from stepflow.rewards.base import Reward
 from stepflow.rollout import Scores, Trajectory, estimate_states, rollout, score
-from stepflow.sde import SamplerConfig, sde_step
+from stepflow.sde import SamplerConfig, sde_step, step_std
 
 __all__ = ["Learner", "Phases", "IterationResult", "iteration", "update", "step_loss", "trainable_steps",
            "finite_advantages", "iteration_metrics"]
@@ -53,6 +53,16 @@ class Learner:
     backward: Callable[[Tensor], None] = Tensor.backward
     on_optimizer_step: Callable[[int], None] | None = None
     opt_steps: int = 0
+    window: Any = None  #: a stepflow.window.WindowConfig, or None (every step follows the sampler)
+    signal: Any = None  #: a stepflow.coherence.StepSignal when train.train_steps=auto
+
+    def window_steps(self, it: int) -> list[int] | None:
+        """The SDE steps of iteration ``it`` (None = all)."""
+        if self.window is None:
+            return None
+        from stepflow.window import window_steps
+
+        return window_steps(self.window, it, self.loop.num_steps, self.loop.seed)
 
     @property
     def distill(self) -> bool:
@@ -108,25 +118,31 @@ def iteration(lr: Learner, it: int) -> IterationResult:
     plan = lr.plan.plan(it)  # the same global plan on every rank; each rolls out its own rows
     mine = plan.shard(lr.dist.rank, lr.dist.world)
     steps, ph = lr.loop.num_steps, Phases(lr.policy)
+    grid = lr.policy.time_grid(steps)
+    sde = lr.window_steps(it)  # the SDE window (None: every step); the others follow the ODE
+    trained = trainable_steps(lr.train, lr.sampler, grid, lr.distill, sde)
+    need = states_needed(lr, trained, it)  # the states whose rewards the credit (and the log) read
     lr.policy.eval()
     _stop_point(lr)
-    with ph("rollout"):  # X_0 .. X_T and log π_old under the SDE sampler, no grad
-        traj = rollout(lr.policy, mine, lr.sampler, steps, lr.guidance)
+    with ph("rollout"):  # X_0 .. X_D and log π_old under the SDE sampler, no grad (D: the last state needed)
+        traj = rollout(lr.policy, mine, lr.sampler, steps, lr.guidance, depth=max(need), sde_steps=sde)
     _stop_point(lr)
-    with ph("estimate"):  # x̂0 of every state by T′ Euler substeps (not needed by uniform credit)
+    with ph("estimate"):  # x̂0 of the needed states by T′ Euler substeps (none for uniform credit)
         x0_hat = None
         if lr.advantage.needs_stepwise_rewards:
             x0_hat = estimate_states(lr.policy, traj, lr.loop.substeps, lr.guidance, lr.loop.adaptive_substeps,
-                                     lr.loop.estimate_chunk)
+                                     lr.loop.estimate_chunk, states=need)
     _stop_point(lr)
-    with ph("reward"), contextlib.suppress(stop.StopRequested):  # R_0 .. R_T in one call (uniform: R_T only)
-        scores = score(lr.policy, lr.reward, traj, x0_hat, lr.loop.decode_chunk)
+    with ph("reward"), contextlib.suppress(stop.StopRequested):  # the needed R_k in one call (uniform: R_T only)
+        scores = score(lr.policy, lr.reward, traj, x0_hat, lr.loop.decode_chunk, states=need)
     _stop_point(lr)  # an interrupted reward call set the stop flag: every rank stops here
     with ph("advantage"):  # gains G_k = R_{k+1} − R_k, normalised per group over every rank's rows
         rewards = lr.dist.gather_rows(scores.rewards)
-        adv, dropped = finite_advantages(lr, rewards, plan.group_ids, it)
+        adv, dropped = finite_advantages(lr, rewards, plan.group_ids, it, trained)
     with ph("update"):  # clipped GRPO (+ β·KL) over the trainable steps
-        upd = update(lr, traj, lr.dist.local_rows(adv.advantages), x0_hat, it)
+        w = step_weights(lr, adv, trained, grid)
+        measure = lr.signal is not None and it % lr.train.auto_every == 0
+        upd = update(lr, traj, lr.dist.local_rows(adv.advantages), x0_hat, it, trained, w, mine.group_ids, measure)
     upd["train/nonfinite_rewards"] = float(dropped.sum())
     return IterationResult(plan, scores, rewards, adv, upd, ph, x0_hat is not None, ~dropped)
 
@@ -137,43 +153,84 @@ def _stop_point(lr: Learner) -> None:
         raise stop.StopRequested(stop.reason())
 
 
-def finite_advantages(lr: Learner, rewards: Tensor, group_ids: Tensor, it: int) -> tuple[AdvantageOut, Tensor]:
+def step_weights(lr: Learner, adv: AdvantageOut, trained: list[int], grid: Tensor) -> Tensor | None:
+    """The loss weight of each trained step (S,), mean 1, for ``train.weighting`` = noise (∝ the step's noise std) or
+    gain_var (∝ the variance of its gains over every rank's rows); None = all 1."""
+    from stepflow.loss import gain_variance_weights, noise_weights
+
+    kind = lr.train.weighting
+    if not trained or kind not in ("noise", "gain_var"):
+        return None
+    if kind == "noise":
+        std = step_std(lr.sampler, grid[:-1], grid[1:], t_guard=grid[1])
+        return noise_weights(std[trained])
+    if adv.gains is None:
+        return None
+    return gain_variance_weights(adv.gains[:, trained])
+
+
+def states_needed(lr: Learner, trained: list[int], it: int) -> list[int]:
+    """The states whose rewards iteration ``it`` computes: those the credit reads for the ``trained`` steps, plus the
+    final image every ``loop.final_reward_every`` iterations when the credit does not read it (train/reward_final)."""
+    steps = lr.loop.num_steps
+    need = lr.advantage.states_needed(trained, steps) or [steps]
+    every = lr.loop.final_reward_every
+    if steps not in need and every and it % every == 0:
+        need = sorted({*need, steps})
+    return need
+
+
+def finite_advantages(lr: Learner, rewards: Tensor, group_ids: Tensor, it: int,
+                      trained: list[int] | None = None) -> tuple[AdvantageOut, Tensor]:
     """Advantages of the rows whose rewards are finite in the columns the scheme reads; a row with a NaN / inf
     reward is dropped from the iteration (advantage 0 at every step, left out of its group's statistics, so the
     update skips it). Returns (advantages of all rows, dropped (B,) bool). More than ``loop.max_nonfinite_frac``
     dropped rows stop the run (:class:`~stepflow.rewards.errors.NonFiniteRewardsError`)."""
     steps = lr.loop.num_steps
-    used = rewards if lr.advantage.needs_stepwise_rewards else rewards[:, -1:]
+    used = rewards[:, lr.advantage.states_needed(trained or [], steps) or [steps]]
     dropped = ~torch.isfinite(used).all(1)
     n = int(dropped.sum())
     if n == 0:
-        return lr.advantage(rewards, group_ids, steps), dropped
+        return lr.advantage(rewards, group_ids, steps, trained), dropped
     if n > lr.loop.max_nonfinite_frac * len(rewards):
         from stepflow.rewards.errors import NonFiniteRewardsError
 
         raise NonFiniteRewardsError(f"{n} of {len(rewards)} samples of iteration {it} have a NaN / inf reward (more "
                                     f"than loop.max_nonfinite_frac={lr.loop.max_nonfinite_frac}); check the reward")
     keep = ~dropped
-    out = lr.advantage(rewards[keep], group_ids[keep], steps)
+    out = lr.advantage(rewards[keep], group_ids[keep], steps, trained)
     full = torch.zeros(len(rewards), steps, dtype=out.advantages.dtype)
     full[keep] = out.advantages
     return AdvantageOut(full, None, out.stats), dropped
 
 
-def trainable_steps(traj: Trajectory, train: TrainConfig, distill: bool = False) -> list[int]:
-    """Steps to train: ``train_steps`` or the first int(T·timestep_fraction) steps, minus steps without noise
-    (distillation needs no density and trains every chosen step)."""
-    t_steps = traj.num_steps
-    cand = list(train.train_steps) if train.train_steps is not None else list(range(int(t_steps * train.timestep_fraction + 1e-9)))
-    cand = [k for k in cand if 0 <= k < t_steps]
-    return cand if distill else [k for k in cand if bool(traj.trainable[:, k].all())]
+def trainable_steps(train: TrainConfig, sampler: SamplerConfig, times: Tensor, distill: bool = False,
+                    window: list[int] | None = None) -> list[int]:
+    """Steps to train on the grid ``times`` (T+1,): ``train_steps`` (``auto``: all candidates) or the first
+    int(T·timestep_fraction) steps, within the SDE ``window`` (None: all), minus steps whose noise std is 0 under
+    ``sampler`` (no density; distillation needs none and keeps them)."""
+    t_steps = times.shape[0] - 1
+    explicit = train.train_steps is not None and train.train_steps != "auto"
+    cand = list(train.train_steps) if explicit else list(range(int(t_steps * train.timestep_fraction + 1e-9)))
+    cand = [k for k in cand if 0 <= k < t_steps and (window is None or k in window)]
+    if distill:
+        return cand
+    std = step_std(sampler, times[:-1], times[1:], t_guard=times[1])
+    return [k for k in cand if float(std[k]) > 0]
 
 
-def update(lr: Learner, traj: Trajectory, adv: Tensor, x0_hat: Tensor | None, it: int) -> dict[str, float]:
-    """Policy update over the trainable steps: ``updates_per_iter`` optimizer steps over shuffled rows, each
-    accumulating (trainable steps × micro-batches). adv: (B_local, T). Returns diagnostics (means over terms)."""
+def update(lr: Learner, traj: Trajectory, adv: Tensor, x0_hat: Tensor | None, it: int,
+           steps: list[int] | None = None, weights: Tensor | None = None, groups: Tensor | None = None,
+           measure: bool = False) -> dict[str, float]:
+    """Policy update over the trainable ``steps`` (default :func:`trainable_steps`): ``updates_per_iter`` optimizer
+    steps over shuffled rows, each accumulating (trainable steps × micro-batches), step k's loss weighted by
+    ``weights[k]`` (S,) (mean 1; default 1). ``train.weighting=grad_rms`` and ``train.train_steps=auto`` combine the
+    steps' gradients instead (:func:`_per_step_update`); ``measure``: add this update's gradients to the auto-step
+    signal estimate (``groups``: (B_local,) group ids, to split the batch into independent halves).
+    adv: (B_local, T). Returns diagnostics (means over terms)."""
     o, pol, dist = lr.train, lr.policy, lr.dist
-    steps = trainable_steps(traj, o, lr.distill)
+    if steps is None:
+        steps = trainable_steps(o, lr.sampler, traj.times, lr.distill, lr.window_steps(it))
     keep = adv.abs().sum(1) > 0 if (o.drop_zero_adv and not lr.distill) else torch.ones(traj.batch_size, dtype=torch.bool)
     rows = torch.nonzero(keep).flatten()
     rows = rows[torch.randperm(len(rows), generator=torch.Generator().manual_seed(lr.loop.seed * 7919 + it))]
@@ -193,16 +250,23 @@ def update(lr: Learner, traj: Trajectory, adv: Tensor, x0_hat: Tensor | None, it
             continue
         lr.optimizer.zero_grad(set_to_none=True)
         mbs = [mb for mb in chunk.split(o.micro_batch_size) if len(mb)]  # a rank may hold none of a chunk's rows
-        for k in steps:
-            for mb in mbs:
+
+        def terms(k: int, rows_list, scale: float, n_global: float = n_global) -> None:  # step k, backward
+            for mb in rows_list:
                 out = step_loss(lr, traj, adv, k, mb, times, x0_hat)
                 # each term is a mean over its rows: weighted, the step's loss is the mean over all rows of the
                 # chunk on all ranks (gradients are then summed over ranks), averaged over the steps
-                lr.backward(out.pop("loss") * (len(mb) / (n_global * len(steps))))
+                lr.backward(out.pop("loss") * (scale * len(mb) / n_global))
                 for name, v in out.items():
                     stats.setdefault(name, []).append(v)
                     if name in ("clip_frac", "kl"):
                         stats.setdefault(f"{name}_step{k}", []).append(v)
+
+        if o.weighting == "grad_rms" or lr.signal is not None:
+            _per_step_update(lr, steps, chunk, mbs, groups, terms, params, stats, measure)
+        else:
+            for j, k in enumerate(steps):
+                terms(k, mbs, (1.0 if weights is None else float(weights[j])) / len(steps))
         dist.all_reduce_grads(params)
         if o.max_grad_norm > 0:
             stats.setdefault("grad_norm", []).append(torch.nn.utils.clip_grad_norm_(params, o.max_grad_norm).detach())
@@ -216,7 +280,67 @@ def update(lr: Learner, traj: Trajectory, adv: Tensor, x0_hat: Tensor | None, it
     if "ratio_min" in flat:
         res["train/ratio_min"], res["train/ratio_max"] = float(flat["ratio_min"].min()), float(flat["ratio_max"].max())
     res["train/samples_trained"], res["train/steps_trained"] = float(len(rows)), float(len(steps))
+    if weights is not None:
+        res.update({f"train/weight_step{k}": float(w) for k, w in zip(steps, weights)})
+    if lr.signal is not None:
+        res.update({f"train/signal_step{k}": float(r) for k, r in zip(lr.signal.steps, lr.signal.rho())})
+        res.update({f"train/weight_step{k}": float(w) for k, w in zip(lr.signal.steps, lr.signal.weights())})
     return res
+
+
+def _grad_vector(params: list) -> Tensor:
+    return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).flatten() for p in params])
+
+
+def _per_step_update(lr: Learner, steps: list[int], chunk: Tensor, mbs: list[Tensor], groups: Tensor | None, terms,
+                     params: list, stats: dict, measure: bool) -> None:
+    """Each trained step's gradient separately, from two halves of whole groups (A, B), then combined into the
+    parameters' .grad: ``train.weighting=grad_rms``: ``Σ_k (rms/|g_k|)·g_k / S``; ``train.train_steps=auto``:
+    ``Σ_k w_k·(rms/|g_k|)·g_k`` with the signal weights w (sum 1) of :class:`stepflow.coherence.StepSignal`, to
+    which a measurement adds the halves' mean gradients. Only steps with w_k > 0 are computed unless measuring."""
+    from stepflow.loss import rms_weights
+
+    in_a = (groups[chunk] % 2 == 0) if groups is not None else torch.arange(len(chunk)) % 2 == 0
+    if bool(in_a.all()) or not bool(in_a.any()):  # one group only: halves by position
+        in_a = torch.arange(len(chunk)) < (len(chunk) + 1) // 2
+    pos = {int(r): bool(a) for r, a in zip(chunk, in_a)}
+    halves = [[mb[torch.tensor([pos[int(r)] == want for r in mb])] for mb in mbs] for want in (True, False)]
+    halves = [[mb for mb in h if len(mb)] for h in halves]
+    sig = lr.signal
+    if sig is not None:
+        w_all = sig.weights()
+        todo = [k for k in steps if measure or float(w_all[sig.steps.index(k)]) > 0]
+    else:
+        todo = list(steps)
+    grads, m_a, m_b = [], [], []
+    n = max(1, len(chunk))
+    n_a = sum(len(mb) for mb in halves[0]) or 1
+    for k in todo:
+        parts = []
+        for h in halves:
+            for p in params:
+                p.grad = None
+            terms(k, h, 1.0)
+            parts.append(_grad_vector(params))
+        grads.append(parts[0] + parts[1])
+        m_a.append(parts[0] * (n / n_a))
+        m_b.append(parts[1] * (n / max(1, n - n_a)))
+    if measure and sig is not None:
+        sig.add(todo, m_a, m_b)
+    norms = torch.stack([g.norm() for g in grads]).double() if grads else torch.zeros(0)
+    coef = rms_weights(norms).double()
+    if sig is not None:
+        w_all = sig.weights()  # after this measurement
+        coef = coef * torch.tensor([float(w_all[sig.steps.index(k)]) for k in todo], dtype=torch.float64)
+        stats.setdefault("auto_steps", []).append(torch.tensor(float((coef > 0).sum())))
+    else:
+        coef = coef / max(1, len(todo))
+    total = sum(c * g for c, g in zip(coef.tolist(), grads)) if grads else None
+    off = 0
+    for p in params:
+        n_p = p.numel()
+        p.grad = None if total is None else total[off:off + n_p].view_as(p).to(p.dtype).clone()
+        off += n_p
 
 
 def step_loss(lr: Learner, traj: Trajectory, adv: Tensor, k: int, rows: Tensor, times: Tensor,
@@ -243,8 +367,14 @@ def step_loss(lr: Learner, traj: Trajectory, adv: Tensor, k: int, rows: Tensor, 
         with torch.no_grad(), pol.reference():  # π_ref: the LoRA disabled, or the frozen initial transformer
             v_ref = pol.velocity(x_k, t, cond, lr.guidance)
             ref_mean = sde_step(lr.sampler, x_k, v_ref, t, t_next, t_guard=times[1], prev_sample=x_next).mean
-    lo = policy_loss(out.log_prob, traj.log_probs[rows, k].to(dev), a, clip_eps=o.clip_eps, mean=out.mean,
-                     ref_mean=ref_mean, std=out.std, kl_scale=out.kl_scale, beta=o.beta_kl, kl_mode=o.kl_mode)
+    lp, lp_old = out.log_prob, traj.log_probs[rows, k].to(dev)
+    if o.weighting == "guard":  # GRPO-Guard: the noise-normalised log-ratio in place of log π_θ − log π_old
+        from stepflow.loss import guard_log_ratio
+
+        old = sde_step(lr.sampler, x_k, traj.velocities[rows, k].to(dev), t, t_next, t_guard=times[1], prev_sample=x_next)
+        lp, lp_old = guard_log_ratio(x_next, out.mean, old.mean, out.std), torch.zeros_like(lp_old)
+    lo = policy_loss(lp, lp_old, a, clip_eps=o.clip_eps, mean=out.mean, ref_mean=ref_mean, std=out.std,
+                     kl_scale=out.kl_scale, beta=o.beta_kl, kl_mode=o.kl_mode)
     return {"loss": lo.loss, "policy_loss": lo.policy_loss, "kl": lo.kl, "clip_frac": lo.clip_frac,
             "ratio_mean": lo.ratio_mean, "ratio_min": lo.ratio_min, "ratio_max": lo.ratio_max,
             "adv_abs": a.abs().mean().detach()}
@@ -254,12 +384,17 @@ def iteration_metrics(res: IterationResult, world: int) -> dict[str, float]:
     """The metrics of one iteration (names in the README): rewards per step, advantages, update diagnostics,
     seconds and NFEs per phase, images scored (counts summed over ranks)."""
     r = res.rewards[res.finite]  # the dropped rows' NaN / inf never reach a logged mean
-    final = r[:, -1]
-    m = {"train/reward_final": final.mean().item(), "train/reward_std": final.std().item() if final.numel() > 1 else 0.0}
-    m["train/reward_mean"] = (r if res.stepwise else final).mean().item()
+    done = [k for k in range(r.shape[1]) if bool(torch.isfinite(r[:, k]).all())]  # the states that were scored
+    m: dict[str, float] = {}
+    if r.shape[1] - 1 in done:
+        final = r[:, -1]
+        m["train/reward_final"] = final.mean().item()
+        m["train/reward_std"] = final.std().item() if final.numel() > 1 else 0.0
+    m["train/reward_mean"] = r[:, done].mean().item() if res.stepwise else r[:, -1].mean().item()
     if res.stepwise:
-        m.update({f"train/reward_step{k}": r[:, k].mean().item() for k in range(r.shape[1])})
-    m.update({f"train/{name}": torch.nanmean(v.float()).item() for name, v in res.scores.components.items()})
+        m.update({f"train/reward_step{k}": r[:, k].mean().item() for k in done})
+    m.update({f"train/{name}": torch.nanmean(v.float()).item() for name, v in res.scores.components.items()
+              if bool(torch.isfinite(v.float()).any())})
     m.update({f"train/{k}": float(v) for k, v in res.advantages.stats.items()})
     m.update(res.update)
     s, n = res.phases.seconds, res.phases.nfe

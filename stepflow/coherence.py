@@ -15,7 +15,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-__all__ = ["mean_pairwise_cosine", "signal_fraction", "step_gradients"]
+__all__ = ["mean_pairwise_cosine", "signal_fraction", "step_gradients", "StepSignal"]
 
 
 def _offdiag_mean(g: Tensor, normalize: bool) -> tuple[float, Tensor]:
@@ -76,3 +76,55 @@ def step_gradients(learner, traj, adv: Tensor, steps: Sequence[int]) -> Tensor:
             p.grad = None
         learner.policy.eval()
     return torch.stack(out)
+
+
+class StepSignal:
+    """Online per-step signal fraction of the policy gradient, from the gradients the update already computes
+    (``train.train_steps=auto``): each measured iteration splits the batch into two halves of whole groups, A and B,
+    whose step-k gradients are independent estimates of the same expected gradient, and accumulates
+    ``Σ m_A·m_B`` and ``Σ (|m_A|² + |m_B|²)/2`` (m: a half's mean gradient). Their ratio estimates the signal
+    fraction ρ_k of a half batch (module docstring; ρ of the full batch is larger, the order of the steps the same).
+
+    :meth:`weights` turns the estimates into step weights: ``w_k ∝ max(ρ_k − threshold·max_j ρ_j, 0)`` (sum 1), so
+    steps whose gradient is mostly noise get none; before ``warmup`` measurements every step weighs the same.
+    """
+
+    def __init__(self, steps: Sequence[int], warmup: int = 3, threshold: float = 0.5):
+        self.steps = list(steps)
+        self.warmup, self.threshold = int(warmup), float(threshold)
+        self.dot = torch.zeros(len(self.steps), dtype=torch.float64)
+        self.sq = torch.zeros(len(self.steps), dtype=torch.float64)
+        self.measurements = 0
+
+    def add(self, steps: Sequence[int], m_a: Sequence[Tensor], m_b: Sequence[Tensor]) -> None:
+        """One measurement: the halves' flattened mean gradients of ``steps`` (a subset of :attr:`steps`)."""
+        for k, a, b in zip(steps, m_a, m_b):
+            j = self.steps.index(k)
+            a, b = a.double().flatten(), b.double().flatten()
+            self.dot[j] += float(a @ b)
+            self.sq[j] += 0.5 * float(a @ a + b @ b)
+        self.measurements += 1
+
+    def rho(self) -> Tensor:
+        """(S,) the signal-fraction estimates (0 where nothing was measured)."""
+        return torch.where(self.sq > 0, self.dot / self.sq.clamp(min=1e-300), torch.zeros_like(self.dot))
+
+    def weights(self) -> Tensor:
+        """(S,) step weights summing to 1."""
+        s = len(self.steps)
+        if self.measurements < self.warmup:
+            return torch.full((s,), 1.0 / s, dtype=torch.float64)
+        rho = self.rho()
+        w = torch.clamp(rho - self.threshold * rho.max().clamp(min=0), min=0)
+        if not bool((w > 0).any()):  # nothing stands out: the most coherent step
+            w = torch.zeros_like(rho)
+            w[int(rho.argmax())] = 1.0
+        return w / w.sum()
+
+    def state_dict(self) -> dict:
+        return {"steps": self.steps, "dot": self.dot.clone(), "sq": self.sq.clone(), "measurements": self.measurements}
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.steps = list(sd["steps"])
+        self.dot, self.sq = sd["dot"].clone().double(), sd["sq"].clone().double()
+        self.measurements = int(sd["measurements"])

@@ -19,6 +19,7 @@ from omegaconf import MISSING, DictConfig, OmegaConf
 
 from stepflow.advantage import AdvantageConfig
 from stepflow.sde import SamplerConfig
+from stepflow.window import WindowConfig
 
 __all__ = ["LoopConfig", "TrainConfig", "EvalConfig", "EmaConfig", "LoraConfig", "DataConfig", "RunConfig",
            "register_configs", "to_config", "KL_MODES"]
@@ -54,6 +55,9 @@ class LoopConfig:
     #: samples whose reward is NaN / inf are dropped from their iteration (counted as train/nonfinite_rewards); the
     #: run stops with a clear error when more than this fraction of an iteration's samples are dropped
     max_nonfinite_frac: float = 0.25
+    #: when the credit reads no final image (advantage.over=trained), roll out to the end and score it every N
+    #: iterations anyway, for train/reward_final (0 = never)
+    final_reward_every: int = 10
 
     def __post_init__(self) -> None:
         _need(_is_int(self.iterations) and self.iterations >= 1, f"iterations: must be an integer >= 1, got {self.iterations!r}")
@@ -62,6 +66,8 @@ class LoopConfig:
         _need(self.num_steps >= 2, f"num_steps: must be >= 2, got {self.num_steps}")
         _need(self.guidance is None or self.guidance >= 1.0, f"guidance: must be >= 1 (1 = no CFG) or null, got {self.guidance}")
         _need(self.substeps >= 1, f"substeps: must be >= 1, got {self.substeps}")
+        _need(_is_int(self.final_reward_every) and self.final_reward_every >= 0,
+              f"final_reward_every: must be an integer >= 0 (0 = never), got {self.final_reward_every!r}")
         _need(0.0 <= self.max_nonfinite_frac <= 1.0, f"max_nonfinite_frac: must be in [0, 1], got {self.max_nonfinite_frac}")
         for name in ("estimate_chunk", "decode_chunk"):
             v = getattr(self, name)
@@ -80,7 +86,9 @@ class TrainConfig:
     beta_kl: float = 0.0  #: β, weight of the KL to the reference policy (LoRA disabled)
     kl_mode: str = "exact"  #: exact | flow_grpo_parity (docs/method.md §2)
     max_grad_norm: float = 1.0  #: gradient clipping (0 = off)
-    train_steps: Any = None  #: step indices to train (list), or None = every step with noise std > 0
+    #: step indices to train (list); None = every step with noise std > 0; ``auto`` = every noisy step, weighted by
+    #: an online estimate of its gradient's signal fraction (stepflow.coherence.StepSignal)
+    train_steps: Any = None
     timestep_fraction: float = 1.0  #: train only the first int(T·fraction) steps (Flow-GRPO: 0.99 → 9 of 10)
     micro_batch_size: int = 32  #: samples per forward/backward
     updates_per_iter: int = 1  #: optimizer steps per rollout batch (1 = on-policy; Flow-GRPO uses 2)
@@ -88,6 +96,13 @@ class TrainConfig:
     drop_zero_adv: bool = True  #: skip samples whose advantages are 0 at every step
     distill_weight: str = "relu"  #: advantage=distill only: relu | signed | exp
     distill_temperature: float = 1.0  #: advantage=distill, distill_weight=exp only
+    #: per-step weighting of the loss: none | noise (TempFlow-GRPO, ∝ the step's noise std) | guard (GRPO-Guard's
+    #: noise-normalised ratio) | grad_rms (each step's gradient scaled to the RMS of their norms) | gain_var (∝ the
+    #: step's gain variance); stepflow.loss
+    weighting: str = "none"
+    auto_every: int = 2  #: train_steps=auto: measure every step's gradient signal every N iterations
+    auto_warmup: int = 3  #: train_steps=auto: measurements before the weights leave uniform
+    auto_threshold: float = 0.5  #: train_steps=auto: steps below this fraction of the best signal get no weight
 
     def __post_init__(self) -> None:
         _need(self.kl_mode in KL_MODES, f"kl_mode: must be one of {', '.join(KL_MODES)}, got {self.kl_mode!r}")
@@ -102,9 +117,15 @@ class TrainConfig:
         _need(self.updates_per_iter >= 1, f"updates_per_iter: must be >= 1, got {self.updates_per_iter}")
         _need(self.distill_weight in ("relu", "signed", "exp"), f"distill_weight: must be relu, signed or exp, got {self.distill_weight!r}")
         _need(self.distill_temperature > 0, f"distill_temperature: must be > 0, got {self.distill_temperature}")
-        if self.train_steps is not None:
+        from stepflow.loss import WEIGHTINGS
+
+        _need(self.weighting in WEIGHTINGS, f"weighting: must be one of {', '.join(WEIGHTINGS)}, got {self.weighting!r}")
+        _need(_is_int(self.auto_every) and self.auto_every >= 1, f"auto_every: must be an integer >= 1, got {self.auto_every!r}")
+        _need(_is_int(self.auto_warmup) and self.auto_warmup >= 0, f"auto_warmup: must be an integer >= 0, got {self.auto_warmup!r}")
+        _need(0.0 <= self.auto_threshold < 1.0, f"auto_threshold: must be in [0, 1), got {self.auto_threshold}")
+        if self.train_steps is not None and self.train_steps != "auto":
             steps = list(self.train_steps) if isinstance(self.train_steps, (list, tuple)) else None
-            _need(steps is not None, f"train_steps: must be a list of step indices or null, got {self.train_steps!r}")
+            _need(steps is not None, f"train_steps: must be a list of step indices, null or auto, got {self.train_steps!r}")
             bad = [k for k in steps if not _is_int(k)]
             _need(not bad, f"train_steps: step {bad[0]!r} is not an integer index" if bad else "")
             _need(bool(steps), "train_steps: empty list trains nothing; use null for every stochastic step")
@@ -192,6 +213,7 @@ class RunConfig:
     data: DataConfig = MISSING
     sampler: SamplerConfig = MISSING
     advantage: AdvantageConfig = MISSING
+    window: WindowConfig = MISSING
     model: Any = None
     reward: Any = None
     trainer: Any = None

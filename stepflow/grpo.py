@@ -44,7 +44,7 @@ class GRPOModule(L.LightningModule):
 
     def __init__(self, policy: FlowPolicy, reward: Reward, sampler: SamplerConfig, advantage: AdvantageConfig,
                  plan: GroupSampler, eval_records: list[dict], loop: LoopConfig, train: TrainConfig,
-                 eval_cfg: EvalConfig, ema: EmaConfig, run_dir: str | Path = "."):
+                 eval_cfg: EvalConfig, ema: EmaConfig, run_dir: str | Path = ".", window=None):
         super().__init__()
         self.automatic_optimization = False
         self.strict_loading = False  # checkpoints hold only the trained weights
@@ -64,9 +64,17 @@ class GRPOModule(L.LightningModule):
             policy.prepare_reference()  # full fine-tuning: copy π_ref before any weight (or EMA swap) changes it
         self.ema = ParamEMA(policy.trainable_parameters(), ema.decay, ema.update_every) if ema.enabled else None
         guidance = loop.guidance if loop.guidance is not None else getattr(policy, "guidance", 1.0)
+        signal = None
+        if train.train_steps == "auto":  # every candidate step, weighted by its measured gradient signal
+            from stepflow.algorithm import trainable_steps
+            from stepflow.coherence import StepSignal
+
+            steps = trainable_steps(train, sampler, policy.time_grid(loop.num_steps), advantage.scheme == "distill")
+            signal = StepSignal(steps, train.auto_warmup, train.auto_threshold)
         self.learner = Learner(policy, reward, sampler, AdvantageEstimator(advantage), plan, loop, train, None,
                                guidance=float(guidance), backward=self._backward,
-                               on_optimizer_step=self.ema.step if self.ema is not None else None)
+                               on_optimizer_step=self.ema.step if self.ema is not None else None, window=window,
+                               signal=signal)
 
     # ------------------------------------------------------------------ optimizer and checkpoint state
     def configure_optimizers(self):
@@ -92,6 +100,7 @@ class GRPOModule(L.LightningModule):
             "reward_images_total": self.reward_images_total, "credit": self.learner.advantage.state_dict(),
             "ema": None if self.ema is None else self.ema.state_dict(), "history": self.history,
             "torch_rng": torch.get_rng_state(),
+            "signal": None if self.learner.signal is None else self.learner.signal.state_dict(),
         }
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
@@ -102,6 +111,8 @@ class GRPOModule(L.LightningModule):
         if self.ema is not None and s["ema"] is not None:
             self.ema.load_state_dict(s["ema"])
         self.history = list(s["history"])
+        if self.learner.signal is not None and s.get("signal") is not None:
+            self.learner.signal.load_state_dict(s["signal"])
         for lg in self.loggers:
             if hasattr(lg, "restore"):
                 lg.restore(self.history)
@@ -138,7 +149,8 @@ class GRPOModule(L.LightningModule):
             return None
         if self._pbar is not None:
             self._pbar.update(1)
-            self._pbar.set_postfix(reward=f"{metrics['train/reward_final']:.3f}", kl=f"{metrics.get('train/kl', 0):.2e}")
+            shown = metrics.get("train/reward_final", metrics.get("train/reward_mean", float("nan")))
+            self._pbar.set_postfix(reward=f"{shown:.3f}", kl=f"{metrics.get('train/kl', 0):.2e}")
         every = self.eval_cfg.every
         if (every and self.iteration % every == 0) or self.iteration == self.loop.iterations:
             self._guarded(self.run_evaluation)

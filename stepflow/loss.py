@@ -12,7 +12,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-__all__ = ["grpo_surrogate", "gaussian_kl", "LossOut", "policy_loss", "distill_loss", "KL_MODES", "DISTILL_WEIGHTS"]
+__all__ = ["grpo_surrogate", "gaussian_kl", "LossOut", "policy_loss", "distill_loss", "KL_MODES", "DISTILL_WEIGHTS",
+           "WEIGHTINGS", "noise_weights", "gain_variance_weights", "rms_weights", "guard_log_ratio"]
 
 KL_MODES = ("exact", "flow_grpo_parity")
 DISTILL_WEIGHTS = ("relu", "signed", "exp")
@@ -140,3 +141,46 @@ def distill_loss(x0_student: Tensor, x0_target: Tensor, adv: Tensor, weight: str
         w = torch.exp(a / temperature)
     err = ((x0_student.float() - x0_target.detach().float()) ** 2).reshape(x0_student.shape[0], -1).mean(dim=1)
     return (w * err).mean()
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# per-step weighting of the loss (docs/method.md §9; train.weighting)
+# ----------------------------------------------------------------------------------------------------------------
+WEIGHTINGS = ("none", "noise", "guard", "grad_rms", "gain_var")
+
+
+def noise_weights(stds: Tensor) -> Tensor:
+    """TempFlow-GRPO's noise-aware weighting: ``w_k = σ_k / mean_j σ_j`` over the trained steps, σ_k the step's noise
+    std (σ_t·√Δt for flow_sde). stds: (S,) -> (S,), mean 1 (high-noise steps weigh more)."""
+    s = stds.double()
+    return (s / s.mean()).float()
+
+
+def gain_variance_weights(gains: Tensor) -> Tensor:
+    """Weights proportional to each trained step's gain variance over the batch: ``w_k = Var_i G_k / mean_j Var_i G_j``
+    (a step whose gains barely vary carries little credit). gains: (B, S) -> (S,), mean 1; all-zero variance -> 1."""
+    v = gains.double().var(dim=0, unbiased=False)
+    if not bool((v > 0).any()):
+        return torch.ones_like(v, dtype=torch.float32)
+    return (v / v.mean()).float()
+
+
+def rms_weights(norms: Tensor) -> Tensor:
+    """Per-step gradient normalisation: ``w_k = sqrt(mean_j |g_j|²) / |g_k|``, so every trained step's gradient
+    enters the update with the same norm (the RMS of their norms). norms: (S,) -> (S,); a zero norm gets 0."""
+    n = norms.double()
+    rms = n.pow(2).mean().sqrt()
+    return torch.where(n > 0, rms / n.clamp(min=1e-300), torch.zeros_like(n)).float()
+
+
+def guard_log_ratio(x_next: Tensor, mean: Tensor, old_mean: Tensor, std: Tensor) -> Tensor:
+    """GRPO-Guard's normalised log-ratio ``s·(log π_θ − log π_old) + mean_dims((μ_θ − μ_old)²)/(2s)`` of a Gaussian step
+    with std s, which equals ``mean_dims(ε ⊙ (μ_θ − μ_old))`` with ``ε = (x_next − μ_old)/s`` (so the 1/s blow-up of
+    the log-ratio at low-noise steps disappears). x_next, mean (with grad), old_mean: (B, ...); std: (B,) -> (B,).
+    Rows with std 0 give 0."""
+    s = std.to(mean.dtype)
+    live = s > 0
+    safe = torch.where(live, s, torch.ones_like(s)).view(-1, *([1] * (mean.ndim - 1)))
+    eps = (x_next.detach() - old_mean.detach()) / safe
+    lr = (eps * (mean - old_mean.detach())).reshape(mean.shape[0], -1).mean(dim=1)
+    return torch.where(live, lr, torch.zeros_like(lr))

@@ -25,16 +25,19 @@ from stepflow.sde import SamplerConfig, sde_step
 
 __all__ = ["Trajectory", "Scores", "rollout", "estimate_states", "score"]
 
+_ODE = SamplerConfig(name="ode")
+
 
 @dataclass(frozen=True)
 class Trajectory:
     """A batch of B trajectories of T steps, as sampled under π_old.
 
-    latents: (B, T+1, C, H, W) states X_0 (the initial noise) .. X_T (the final latent), fp32
-    velocities: (B, T, C, H, W) the rollout's v at (X_k, τ_k) (reused by substep 0 of the x̂0 estimate)
-    log_probs: (B, T) log π_old(X_{k+1} | X_k) under the sampler's convention (0 where untrainable)
-    trainable: (B, T) bool, the step's noise std > 0
-    times: (T+1,) the grid τ_0 = 1 .. τ_T = 0
+    latents: (B, D+1, C, H, W) states X_0 (the initial noise) .. X_D, fp32; D = T (the final latent) unless the
+        rollout stopped early at depth D because the credit needs no later state
+    velocities: (B, D, C, H, W) the rollout's v at (X_k, τ_k) (reused by substep 0 of the x̂0 estimate)
+    log_probs: (B, D) log π_old(X_{k+1} | X_k) under the sampler's convention (0 where untrainable)
+    trainable: (B, D) bool, the step's noise std > 0
+    times: (T+1,) the whole grid τ_0 = 1 .. τ_T = 0
     cond: B rows of prompt conditioning; prompts / meta: B prompt strings and records
     """
 
@@ -53,6 +56,12 @@ class Trajectory:
 
     @property
     def num_steps(self) -> int:
+        """T, the grid's number of steps."""
+        return self.times.shape[0] - 1
+
+    @property
+    def depth(self) -> int:
+        """D, the number of steps rolled out (T unless stopped early)."""
         return self.latents.shape[1] - 1
 
 
@@ -72,11 +81,14 @@ class Scores:
 
 @torch.no_grad()
 def rollout(policy: FlowPolicy, plan: IterationPlan, sampler: SamplerConfig, num_steps: int,
-            guidance: float) -> Trajectory:
-    """Encode the plan's prompts and sample its B trajectories with ``sampler`` under the current weights (π_old).
+            guidance: float, depth: int | None = None, sde_steps: list[int] | None = None) -> Trajectory:
+    """Encode the plan's prompts and sample its B trajectories with ``sampler`` under the current weights (π_old),
+    for ``depth`` steps of the T-step grid (default all T).
 
     Noise is row-seeded (``plan.init_noise_seeds`` for X_0, ``plan.step_noise_seeds`` for the SDE noise ε of every
-    step), so a sample does not depend on the batch it is in (one process vs DDP, resume).
+    step), so a sample does not depend on the batch it is in (one process vs DDP, resume), nor on the depth.
+    ``sde_steps``: the steps that follow ``sampler`` (an SDE window); the others take the deterministic Euler step
+    (no density, untrainable). None: every step.
     """
     device = policy.device
     b = len(plan)
@@ -86,9 +98,10 @@ def rollout(policy: FlowPolicy, plan: IterationPlan, sampler: SamplerConfig, num
     x = seeded_normal(plan.init_noise_seeds, shape, device)
     eps = seeded_normal(plan.step_noise_seeds, (num_steps, *shape), device)  # (B, T, C, H, W)
     lat, vel, lps, trn = [x], [], [], []
-    for k in range(num_steps):
+    for k in range(num_steps if depth is None else depth):
         v = policy.velocity(x, times[k], cond, guidance)
-        out = sde_step(sampler, x, v, times[k], times[k + 1], t_guard=times[1], noise=eps[:, k])
+        cfg = sampler if sde_steps is None or k in sde_steps else _ODE
+        out = sde_step(cfg, x, v, times[k], times[k + 1], t_guard=times[1], noise=eps[:, k])
         x = out.next
         lat.append(x); vel.append(v); lps.append(out.log_prob)
         trn.append(out.trainable.expand(b) if out.trainable.ndim == 0 else out.trainable)
@@ -99,19 +112,29 @@ def rollout(policy: FlowPolicy, plan: IterationPlan, sampler: SamplerConfig, num
 
 @torch.no_grad()
 def estimate_states(policy: FlowPolicy, traj: Trajectory, substeps: int, guidance: float, adaptive: bool = False,
-                    chunk_size: int | None = None) -> Tensor:
-    """x̂0 for every state X_0..X_{T-1} of every trajectory (docs/method.md §4), batched over steps.
+                    chunk_size: int | None = None, states: list[int] | None = None) -> Tensor:
+    """x̂0 of the states ``states`` (default every state X_0..X_{T-1}) of every trajectory (docs/method.md §4),
+    batched over steps.
 
-    Returns x0_hat (B, T+1, C, H, W) with ``x0_hat[:, T] = X_T``. ``chunk_size`` bounds the states per model call
-    (memory); the substep grid is per state, so chunking does not change the result.
+    Returns x0_hat (B, T+1, C, H, W): the estimates at the chosen states, ``x0_hat[:, T] = X_T`` when the rollout
+    reached it, zeros elsewhere. ``chunk_size`` bounds the states per model call (memory); the substep grid is per
+    state, so chunking does not change the result.
     """
     b, t_steps = traj.batch_size, traj.num_steps
-    states = traj.latents[:, :t_steps].flatten(0, 1)  # (B*T, C, H, W), row i*T + k
-    times = traj.times[:t_steps].repeat(b)  # (B*T,)
-    v0 = traj.velocities.flatten(0, 1)
-    cond_rows = traj.cond.repeat(t_steps)  # (B*T) rows, row i*T + k -> cond i
-    m = states.shape[0]
-    chunk = chunk_size or m
+    ks = [k for k in (range(t_steps) if states is None else states) if k < t_steps]
+    if ks and max(ks) > traj.depth:
+        raise ValueError(f"states: the rollout stopped at state {traj.depth}; cannot estimate state {max(ks)}")
+    n = len(ks)
+    states_ = traj.latents[:, ks].flatten(0, 1)  # (B*n, C, H, W), row i*n + j -> state ks[j] of trajectory i
+    times = traj.times[ks].repeat(b)  # (B*n,)
+    vel = traj.velocities
+    if ks and max(ks) == traj.depth:  # the rollout stopped at this state: its velocity (substep 0) is new
+        v_last = policy.velocity(traj.latents[:, -1], traj.times[traj.depth], traj.cond, guidance)
+        vel = torch.cat([vel, v_last[:, None]], 1)
+    v0 = vel[:, ks].flatten(0, 1)
+    cond_rows = traj.cond.repeat(n)  # row i*n + j -> cond i
+    m = states_.shape[0]
+    chunk = chunk_size or max(m, 1)
     outs = []
     for s in range(0, m, chunk):
         sl = slice(s, s + chunk)
@@ -120,10 +143,14 @@ def estimate_states(policy: FlowPolicy, traj: Trajectory, substeps: int, guidanc
         def vfn(x: Tensor, t: Tensor, rows: Tensor, c=c) -> Tensor:  # compact mode: only unfinished rows
             return policy.velocity(x, t, c.index(rows.to("cpu") if c.tokens.device.type == "cpu" else rows), guidance)
 
-        outs.append(estimate_x0_with_nfe(vfn, states[sl], times[sl], substeps, v0=v0[sl], adaptive=adaptive,
+        outs.append(estimate_x0_with_nfe(vfn, states_[sl], times[sl], substeps, v0=v0[sl], adaptive=adaptive,
                                          compact=True)[0])
-    x0_hat = torch.cat(outs).view(b, t_steps, *states.shape[1:])
-    return torch.cat([x0_hat, traj.latents[:, -1:]], 1)
+    x0_hat = traj.latents.new_zeros((b, t_steps + 1, *traj.latents.shape[2:]))
+    if ks:
+        x0_hat[:, ks] = torch.cat(outs).view(b, n, *states_.shape[1:])
+    if traj.depth == t_steps:
+        x0_hat[:, t_steps] = traj.latents[:, -1]
+    return x0_hat
 
 
 def _decode(policy: FlowPolicy, latents: Tensor, chunk: int | None) -> Tensor:
@@ -138,16 +165,22 @@ def _repeat(items: Sequence, n: int) -> list:
 
 @torch.no_grad()
 def score(policy: FlowPolicy, reward: Reward, traj: Trajectory, x0_hat: Tensor | None = None,
-          decode_chunk: int | None = None) -> Scores:
-    """Decode and score in one reward call: R_0..R_T from the estimates ``x0_hat`` (B, T+1, ...) when given
-    (B·(T+1) images), else only R_T of the final latents (B images; what uniform credit reads)."""
+          decode_chunk: int | None = None, states: list[int] | None = None) -> Scores:
+    """Decode and score in one reward call: R_k of the states ``states`` (default 0..T) from the estimates
+    ``x0_hat`` (B, T+1, ...) when given (B·len(states) images), else only R_T of the final latents (B images; what
+    uniform credit reads). Rewards not computed are NaN; components are those of R_T (NaN when it was not scored)."""
     b, tp1 = traj.batch_size, traj.num_steps + 1
+    rewards = torch.full((b, tp1), float("nan"))
     if x0_hat is None:
         out = reward(_decode(policy, traj.latents[:, -1], decode_chunk), traj.prompts, traj.meta)
-        rewards = torch.full((b, tp1), float("nan"))
         rewards[:, -1] = out.scores
         return Scores(rewards, dict(out.components), images=b)
-    images = _decode(policy, x0_hat.flatten(0, 1), decode_chunk)
-    out = reward(images, _repeat(traj.prompts, tp1), _repeat(traj.meta, tp1))
-    comps = {k: v.view(b, tp1)[:, -1] for k, v in out.components.items()}
-    return Scores(out.scores.view(b, tp1), comps, images=b * tp1)
+    ks = list(range(tp1)) if states is None else sorted(states)
+    n = len(ks)
+    images = _decode(policy, x0_hat[:, ks].flatten(0, 1), decode_chunk)
+    out = reward(images, _repeat(traj.prompts, n), _repeat(traj.meta, n))
+    rewards[:, ks] = out.scores.view(b, n).float()
+    final = ks.index(tp1 - 1) if ks[-1] == tp1 - 1 else None
+    comps = {k: (v.view(b, n)[:, final] if final is not None else torch.full((b,), float("nan")))
+             for k, v in out.components.items()}
+    return Scores(rewards, comps, images=b * n)

@@ -65,7 +65,7 @@ def check_train_steps(train: TrainConfig, sampler, num_steps: int) -> None:
     from stepflow.sde import step_std, time_grid
 
     steps = train.train_steps
-    if steps is None:
+    if steps is None or steps == "auto":
         return
     bad = [k for k in steps if not 0 <= k < num_steps]
     if bad:
@@ -87,6 +87,7 @@ def build_module(cfg: DictConfig, run_dir: Path):
     from stepflow.data import GroupSampler, load_prompt_file
     from stepflow.grpo import GRPOModule
     from stepflow.sde import SamplerConfig
+    from stepflow.window import WindowConfig
 
     loop = to_config(cfg.loop, LoopConfig, "loop")
     train = to_config(cfg.train, TrainConfig, "train")
@@ -95,6 +96,7 @@ def build_module(cfg: DictConfig, run_dir: Path):
     data = to_config(cfg.data, DataConfig, "data")
     sampler = to_config(cfg.sampler, SamplerConfig, "sampler")
     advantage = to_config(cfg.advantage, AdvantageConfig, "advantage")
+    window = to_config(cfg.window, WindowConfig, "window")
     if advantage.rollout_sampler is not None:  # the scheme's own rollout sampler (distill: ode), stated in its config
         sampler = SamplerConfig(name=advantage.rollout_sampler)
     same_latent = loop.same_latent if advantage.same_latent is None else advantage.same_latent
@@ -106,7 +108,15 @@ def build_module(cfg: DictConfig, run_dir: Path):
     torch.manual_seed(loop.seed)
     policy = build_policy(cfg)
     reward = build_reward(cfg)
-    return GRPOModule(policy, reward, sampler, advantage, plan, eval_records, loop, train, eval_cfg, ema, run_dir)
+    if window.kind != "none":
+        from stepflow.window import window_steps
+
+        try:
+            window_steps(window, 0, loop.num_steps, loop.seed)
+        except ValueError as e:
+            raise StepflowError(f"window.{e}") from None
+    return GRPOModule(policy, reward, sampler, advantage, plan, eval_records, loop, train, eval_cfg, ema, run_dir,
+                      window=None if window.kind == "none" else window)
 
 
 def build_trainer(cfg: DictConfig, run_dir: Path):

@@ -240,3 +240,34 @@ def test_bad_credit_config(kwargs, field):
     assert str(err.value).startswith(f"{field}:") and "\n" not in str(err.value)
     with pytest.raises(ValueError, match="^std_scope:"):
         group_normalize(torch.zeros(2), torch.zeros(2).long(), std_scope="x")
+
+
+def test_over_trained_normalises_the_trained_steps_jointly_and_reads_only_their_states():
+    """advantage.over=trained: G_k of the trained steps, normalised jointly over (group × trained steps), 0 at the
+    other steps; only R_k, R_{k+1} of trained k are read (the rest may be NaN). Reference: numpy, by hand."""
+
+
+    g = torch.Generator().manual_seed(3)
+    r = torch.rand(6, 6, generator=g, dtype=torch.float64)  # B = 6, T = 5
+    gid = torch.tensor([0, 0, 0, 1, 1, 1])
+    trained = [1, 3]
+    est = AdvantageEstimator(AdvantageConfig(scheme="gain", over="trained", eps=1e-4))
+    assert est.states_needed(trained, 5) == [1, 2, 3, 4]
+    masked = r.clone()
+    masked[:, [0, 5]] = float("nan")  # states the trained steps do not need
+    out = est(masked, gid, 5, trained)
+    rn = r.numpy()
+    gains = np.stack([rn[:, 2] - rn[:, 1], rn[:, 4] - rn[:, 3]], 1)  # (B, 2)
+    ref = np.zeros((6, 5))
+    for c in (0, 1):
+        rows = gid.numpy() == c
+        v = gains[rows]
+        ref[np.ix_(rows, trained)] = (v - v.mean()) / (v.std() + 1e-4)
+    np.testing.assert_allclose(out.advantages.numpy(), ref, rtol=1e-5, atol=1e-6)
+    # one trained step: the same as per-step normalisation of that step (gain_per_step)
+    one = AdvantageEstimator(AdvantageConfig(scheme="gain", over="trained"))(r, gid, 5, [2]).advantages
+    per = AdvantageEstimator(AdvantageConfig(scheme="gain_per_step"))(r, gid, 5).advantages
+    torch.testing.assert_close(one[:, 2], per[:, 2])
+    assert float(one[:, [0, 1, 3, 4]].abs().max()) == 0.0
+    with pytest.raises(ValueError, match="over: trained needs scheme gain"):
+        AdvantageConfig(scheme="gae", over="trained")

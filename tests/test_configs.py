@@ -14,11 +14,12 @@ from stepflow.advantage import AdvantageConfig
 from stepflow.cli import CONF_DIR, StepflowError
 from stepflow.config import EmaConfig, EvalConfig, LoopConfig, LoraConfig, RunConfig, TrainConfig, to_config
 from stepflow.sde import DEFAULT_LOGPROB, SamplerConfig
+from stepflow.window import WindowConfig
 
-GROUPS = ["model", "reward", "advantage", "sampler", "data", "trainer", "logger", "experiment"]
+GROUPS = ["model", "reward", "advantage", "sampler", "window", "data", "trainer", "logger", "experiment"]
 OPTIONS = [(g, p.stem) for g in GROUPS for p in sorted((CONF_DIR / g).glob("*.yaml"))]
 SECTIONS = {"loop": LoopConfig, "train": TrainConfig, "eval": EvalConfig, "ema": EmaConfig, "lora": LoraConfig,
-            "sampler": SamplerConfig, "advantage": AdvantageConfig}
+            "sampler": SamplerConfig, "advantage": AdvantageConfig, "window": WindowConfig}
 
 
 @pytest.mark.parametrize("group,option", OPTIONS, ids=[f"{g}={o}" for g, o in OPTIONS])
@@ -43,7 +44,8 @@ def _defaults(cls) -> dict:
             if f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING}
 
 
-@pytest.mark.parametrize("group,cls,key", [("sampler", SamplerConfig, "name"), ("advantage", AdvantageConfig, "scheme")])
+@pytest.mark.parametrize("group,cls,key", [("sampler", SamplerConfig, "name"), ("advantage", AdvantageConfig, "scheme"),
+                                           ("window", WindowConfig, "kind")])
 def test_group_files_only_override_the_dataclass(group, cls, key):
     """A sampler / advantage option file states what makes it that option, never a value equal to the default."""
     defaults = _defaults(cls)

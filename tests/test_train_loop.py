@@ -229,3 +229,34 @@ def test_explicit_train_steps_train_only_those_steps(tmp_path):
     assert float(train[0]["train/steps_trained"]) == 1
     assert train[0].get("train/clip_frac_step1") not in (None, "")
     assert train[0].get("train/clip_frac_step0") in (None, "")
+
+
+def test_gain_trained_does_only_the_work_its_credit_uses(tmp_path, monkeypatch):
+    """advantage=gain_trained with step 1 trained: the rollout stops after X_2, only X_1 and X_2 are estimated and
+    scored, and the advantages, loss and gradient equal those of gain_per_step on the full rollout (at one trained
+    step both normalise that step's gains per group)."""
+    from stepflow.algorithm import iteration, iteration_metrics
+    from stepflow.train import build_module
+
+    monkeypatch.setenv("STEPFLOW_CACHE", str(tmp_path / "cache"))  # reward=pickscore_tiny: scores with variance
+    common = ["train.train_steps=[1]", "sampler=flow_sde", "loop.final_reward_every=0", "reward=pickscore_tiny"]
+    cut = build_module(make_cfg("advantage=gain_trained", *common), tmp_path / "cut")
+    full = build_module(make_cfg("advantage=gain_per_step", *common), tmp_path / "full")
+    for m in (cut, full):
+        m.learner.optimizer = m._own_optimizer()
+    a, b = iteration(cut.learner, 0), iteration(full.learner, 0)
+    torch.testing.assert_close(a.advantages.advantages[:, 1], b.advantages.advantages[:, 1])
+    assert float(a.advantages.advantages[:, [0, 2, 3]].abs().max()) == 0.0
+    for k in ("train/policy_loss", "train/grad_norm", "train/samples_trained"):
+        assert a.update[k] == pytest.approx(b.update[k], rel=1e-6), k
+    ma, mb = iteration_metrics(a, 1), iteration_metrics(b, 1)
+    bsz = 8  # smoke: 2 prompts x 4
+    assert ma["cost/nfe_rollout"] == bsz * 2 and mb["cost/nfe_rollout"] == bsz * 4  # X_0 -> X_2 only
+    assert ma["cost/reward_images"] == bsz * 2 and mb["cost/reward_images"] == bsz * 5  # R_1, R_2 only
+    # T' = 2: X_1 reuses the rollout's velocity (1 more NFE), X_2 needs its own first one (2)
+    assert ma["cost/nfe_estimate"] == bsz * 3
+    assert "train/reward_final" not in ma and "train/reward_step1" in ma and "train/reward_step0" not in ma
+    # every loop.final_reward_every iterations the rollout goes on to score the final image for the log
+    cut.learner.loop.final_reward_every = 2
+    m2 = iteration_metrics(iteration(cut.learner, 2), 1)
+    assert m2["cost/nfe_rollout"] == bsz * 4 and "train/reward_final" in m2

@@ -1,0 +1,190 @@
+"""Credit for every step: SDE windows, per-step loss weighting and automatic step weighting, each against its
+closed form or an independent computation."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from conftest import compose_config
+
+from stepflow.coherence import StepSignal
+from stepflow.loss import gain_variance_weights, guard_log_ratio, noise_weights, rms_weights
+from stepflow.window import WindowConfig, window_steps
+
+
+# ------------------------------------------------------------------------------------------------ windows
+def test_window_kinds():
+    assert window_steps(WindowConfig("none"), 5, 10) is None
+    assert window_steps(WindowConfig("fixed", start=2, size=3), 7, 10) == [2, 3, 4]
+    sl = WindowConfig("sliding", start=0, size=3, stride=2, every=5)
+    assert [window_steps(sl, it, 10)[0] for it in (0, 4, 5, 14, 15, 100)] == [0, 0, 2, 4, 6, 7]  # held at T - size
+    rnd = WindowConfig("random", start=1, size=4)
+    draws = [window_steps(rnd, it, 10, seed=3) for it in range(20)]
+    assert all(len(d) == 4 and len(set(d)) == 4 and min(d) >= 1 and max(d) <= 9 and d == sorted(d) for d in draws)
+    assert draws == [window_steps(rnd, it, 10, seed=3) for it in range(20)]  # a pure function: a resume redraws them
+    assert len({tuple(d) for d in draws}) > 10 and draws != [window_steps(rnd, it, 10, seed=4) for it in range(20)]
+    with pytest.raises(ValueError, match="do not fit"):
+        window_steps(WindowConfig("fixed", start=8, size=3), 0, 10)
+    with pytest.raises(ValueError, match="kind"):
+        WindowConfig("bogus")
+
+
+def test_a_window_rolls_out_with_the_ode_outside_and_trains_only_inside(tmp_path):
+    from stepflow.algorithm import iteration
+    from stepflow.rollout import rollout
+    from stepflow.train import build_module
+
+    module = build_module(compose_config("train", ["experiment=smoke", "sampler=flow_sde", "train.train_steps=null",
+                                                   "window=fixed", "window.start=1", "window.size=2"]), tmp_path)
+    lr = module.learner
+    lr.optimizer = module._own_optimizer()
+    plan = lr.plan.plan(0)
+    traj = rollout(lr.policy, plan, lr.sampler, 4, 1.0, sde_steps=[1, 2])
+    assert traj.trainable[:, [1, 2]].all() and not traj.trainable[:, [0, 3]].any()
+    assert float(traj.log_probs[:, [0, 3]].abs().max()) == 0.0
+    # step 0 is the ODE's: X_1 = X_0 - dt v(X_0)
+    v0 = traj.velocities[:, 0]
+    torch.testing.assert_close(traj.latents[:, 1], traj.latents[:, 0] - (traj.times[0] - traj.times[1]) * v0)
+    res = iteration(lr, 0)
+    assert res.update["train/steps_trained"] == 2.0
+
+
+def test_window_config_errors_are_one_line():
+    from stepflow.cli import StepflowError
+    from stepflow.train import build_module
+
+    with pytest.raises(StepflowError, match="window.*do not fit"):
+        build_module(compose_config("train", ["experiment=smoke", "window=fixed", "window.start=3", "window.size=3"]),
+                     "/tmp/stepflow_window")
+
+
+# ------------------------------------------------------------------------------------------------ weights
+def test_noise_weights_are_the_normalised_step_std():
+    std = torch.tensor([0.8, 0.4, 0.2, 0.1])
+    torch.testing.assert_close(noise_weights(std), std / 0.375)
+    assert float(noise_weights(std).mean()) == pytest.approx(1.0)
+
+
+def test_gain_variance_weights():
+    g = torch.tensor([[1.0, 0.0, 2.0], [-1.0, 0.0, 0.0], [3.0, 0.0, -2.0]])
+    var = torch.tensor([8 / 3, 0.0, 8 / 3])  # population variances of the columns
+    torch.testing.assert_close(gain_variance_weights(g), var / var.mean())
+    torch.testing.assert_close(gain_variance_weights(torch.zeros(4, 2)), torch.ones(2))
+
+
+def test_rms_weights_give_every_step_the_rms_norm():
+    norms = torch.tensor([2e-4, 5e-3, 5.6e-2])
+    w = rms_weights(norms)
+    rms = math.sqrt(float((norms.double() ** 2).mean()))
+    torch.testing.assert_close((w * norms).double(), torch.full((3,), rms, dtype=torch.float64), rtol=1e-6, atol=0)
+    assert float(rms_weights(torch.tensor([0.0, 1.0]))[0]) == 0.0
+
+
+def test_guard_log_ratio_closed_form_and_no_one_over_sigma():
+    """GRPO-Guard: s·(log π_new − log π_old) + mean((μ_new − μ_old)²)/(2s) with the Gaussian per-dim-mean log-prob of
+    torch.distributions equals mean(ε·(μ_new − μ_old)); its gradient w.r.t. μ_new does not grow like 1/s."""
+    from torch.distributions import Normal
+
+    g = torch.Generator().manual_seed(0)
+    mu_old = torch.randn(3, 2, 4, 4, generator=g)
+    d = 0.01 * torch.randn(3, 2, 4, 4, generator=g)
+    s = torch.tensor([0.5, 0.05, 0.005])
+    x = mu_old + s.view(-1, 1, 1, 1) * torch.randn(3, 2, 4, 4, generator=g)
+    mu_new = (mu_old + d).requires_grad_(True)
+    sb = s.view(-1, 1, 1, 1)
+    lp_new = Normal(mu_new.double(), sb.double()).log_prob(x.double()).mean(dim=(1, 2, 3))
+    lp_old = Normal(mu_old.double(), sb.double()).log_prob(x.double()).mean(dim=(1, 2, 3))
+    ref = s.double() * (lp_new - lp_old) + (d.double() ** 2).mean(dim=(1, 2, 3)) / (2 * s.double())
+    got = guard_log_ratio(x, mu_new, mu_old, s)
+    torch.testing.assert_close(got.double(), ref.detach(), rtol=1e-4, atol=1e-7)
+    (grad,) = torch.autograd.grad(got.sum(), mu_new)
+    norms = grad.flatten(1).norm(dim=1)
+    assert float(norms.max() / norms.min()) < 3  # ε has unit scale at every noise level; the plain ratio's is 1/s
+    assert float(guard_log_ratio(x, mu_new, mu_old, torch.zeros(3)).abs().max()) == 0.0
+
+
+# ------------------------------------------------------------------------------------------------ auto steps
+def test_step_signal_estimates_the_signal_fraction_and_selects_coherent_steps():
+    """Halves of a batch: m = μ + noise; the estimate converges to |μ|²/(|μ|² + σ²D) per step and the weights go to
+    the steps whose signal stands out (threshold 0.5 of the best)."""
+    g = torch.Generator().manual_seed(0)
+    d = 400
+    mu = {0: torch.randn(d, generator=g) * 0.3, 1: torch.randn(d, generator=g) * 0.05, 2: torch.zeros(d)}
+    sig = StepSignal([0, 1, 2], warmup=2, threshold=0.5)
+    torch.testing.assert_close(sig.weights(), torch.full((3,), 1 / 3, dtype=torch.float64))  # before the warm-up
+    for _ in range(200):
+        a = [mu[k] + torch.randn(d, generator=g) * 0.1 for k in (0, 1, 2)]
+        b = [mu[k] + torch.randn(d, generator=g) * 0.1 for k in (0, 1, 2)]
+        sig.add([0, 1, 2], a, b)
+    want = [float(mu[k] @ mu[k]) / (float(mu[k] @ mu[k]) + 0.01 * d) for k in (0, 1, 2)]
+    for k in range(3):
+        assert float(sig.rho()[k]) == pytest.approx(want[k], abs=0.02)
+    w = sig.weights()
+    assert float(w.sum()) == pytest.approx(1.0) and float(w[0]) == pytest.approx(1.0)  # only step 0 stands out
+    state = sig.state_dict()
+    again = StepSignal([0, 1, 2])
+    again.load_state_dict(state)
+    torch.testing.assert_close(again.rho(), sig.rho())
+
+
+def test_grad_rms_update_combines_each_steps_gradient_at_the_rms_norm(tmp_path, monkeypatch):
+    """train.weighting=grad_rms: the optimizer sees Σ_k (rms/|g_k|)·g_k / S, with g_k each step's own loss gradient
+    (computed here independently with step_loss and autograd)."""
+    from stepflow.algorithm import step_loss, update
+    from stepflow.rollout import rollout
+    from stepflow.train import build_module
+
+    monkeypatch.setenv("STEPFLOW_CACHE", str(tmp_path / "cache"))
+    module = build_module(compose_config("train", ["experiment=smoke", "sampler=flow_sde", "train.train_steps=null",
+                                                   "train.weighting=grad_rms", "train.max_grad_norm=0",
+                                                   "reward=pickscore_tiny"]), tmp_path)
+    lr = module.learner
+    traj = rollout(lr.policy, lr.plan.plan(0), lr.sampler, 4, 1.0)
+    adv = torch.randn(traj.batch_size, 4, generator=torch.Generator().manual_seed(1))
+    params = list(lr.policy.trainable_parameters())
+    steps = [0, 1, 2]
+    rows = torch.arange(traj.batch_size)
+    lr.policy.train()
+    ref_g = []
+    for k in steps:
+        gs = torch.autograd.grad(step_loss(lr, traj, adv, k, rows, traj.times)["loss"], params, allow_unused=True)
+        ref_g.append(torch.cat([(x if x is not None else torch.zeros_like(p)).flatten() for x, p in zip(gs, params)]))
+    norms = torch.stack([g.norm() for g in ref_g]).double()
+    rms = norms.pow(2).mean().sqrt()
+    want = sum((rms / n) * g.double() for n, g in zip(norms, ref_g)) / len(steps)
+
+    class Capture:  # the optimizer: records the gradient it is given
+        def zero_grad(self, set_to_none=True):
+            for p in params:
+                p.grad = None
+
+        def step(self):
+            self.g = torch.cat([p.grad.flatten() for p in params]).double()
+
+    lr.optimizer = Capture()
+    update(lr, traj, adv, None, 0, steps)
+    torch.testing.assert_close(lr.optimizer.g, want, rtol=1e-4, atol=1e-9)
+
+
+def test_auto_train_steps_log_and_checkpoint_the_signal(tmp_path, monkeypatch):
+    """train.train_steps=auto end to end: per-step signal and weights are logged, and the estimate is restored on
+    resume exactly."""
+    import csv
+
+    from stepflow.train import run
+
+    monkeypatch.setenv("STEPFLOW_CACHE", str(tmp_path / "cache"))
+    args = ["experiment=smoke", "sampler=flow_sde", "train.train_steps=auto", "train.auto_every=1",
+            "train.auto_warmup=1", "reward=pickscore_tiny"]
+    module = run(compose_config("train", [*args, "loop.iterations=2"]), tmp_path)
+    sig = module.learner.signal
+    assert sig is not None and sig.measurements == 2 and sig.steps == [0, 1, 2, 3]  # flow_sde: every step is noisy
+    with (tmp_path / "metrics.csv").open() as fh:
+        rows = [r for r in csv.DictReader(fh) if r.get("train/steps_trained")]
+    assert all(r.get(f"train/signal_step{k}") not in (None, "") for r in rows for k in (0, 1, 2, 3))
+    assert sum(float(rows[-1][f"train/weight_step{k}"]) for k in (0, 1, 2, 3)) == pytest.approx(1.0)
+    module2 = run(compose_config("train", [*args, "loop.iterations=3",
+                                           f"ckpt_path={tmp_path / 'checkpoints' / 'last.ckpt'}"]), tmp_path)
+    assert module2.learner.signal.measurements == 3  # restored 2, measured once more
