@@ -173,7 +173,37 @@ def build_suites() -> dict[str, Suite]:
         [0, 1, 2], sweep_dir="outputs/ablations/step0",
         description="Step-0 suite: method x SDE on the default recipe of `python -m stepflow.train` "
                     "(conf/experiment/mini_step0.yaml), 3 seeds per arm, ~45 min at --jobs 2.")
-    return {s.name: s for s in (full, quick, paper, step0)}
+    cost = Suite(
+        "cost",
+        [Ablation("cost", "mini_step0", {}, [{"advantage": "gain"}, {"advantage": "gain_trained"},
+                                             {"loop.adaptive_substeps": "true"}, {"advantage": "uniform"}],
+                  "doing only the work the credit uses (step 0 trained, DDIM SDE)",
+                  "Gains normalised over the trained step only, which estimate and score just X_0 and X_1 and stop the "
+                  "rollout after X_1 (advantage=gain_trained), and adaptive substeps ceil(T' t), against gains over "
+                  "every step and uniform credit, per iteration and per second.")],
+        [0, 1, 2], sweep_dir="outputs/ablations/step0",
+        description="Cost suite: the default recipe's work reductions (conf/experiment/mini_step0.yaml), 3 seeds; "
+                    "it shares the step-0 suite's directory, so its gain and uniform arms are that suite's runs.")
+    every = {"train.train_steps": "null"}
+    allsteps = Suite(
+        "allsteps",
+        [Ablation("weighting", "mini_step0", {}, [{**every, "train.weighting": w} for w in
+                                                  ("none", "noise", "guard", "grad_rms", "gain_var")],
+                  "every noisy step trained, with each per-step weighting",
+                  "Training all 9 noisy steps of the default recipe: unweighted, TempFlow-GRPO's noise weighting, "
+                  "GRPO-Guard's normalised ratio, per-step gradient RMS normalisation, gain-variance weights."),
+         Ablation("window", "mini_step0", {}, [{**every, "window": w} for w in ("fixed", "sliding", "random")],
+                  "SDE windows (3 steps)",
+                  "Flow-GRPO-Fast's fixed window (steps 0-2), MixGRPO's sliding window (moved one step every 10 "
+                  "iterations) and DanceGRPO's random subset (3 steps per iteration); ODE elsewhere, only the window "
+                  "trained."),
+         Ablation("auto", "mini_step0", {}, [{"train.train_steps": "auto"}],
+                  "train.train_steps=auto",
+                  "Every noisy step measured, weighted by its online gradient signal fraction (no step named).")],
+        [0, 1, 2], common=["window.size=3", "window.every=10"], sweep_dir="outputs/ablations/allsteps",
+        description="Every-step suite: credit for every step on the default recipe (conf/experiment/mini_step0.yaml), "
+                    "weightings, SDE windows and automatic step weighting, 3 seeds per arm.")
+    return {s.name: s for s in (full, quick, paper, step0, cost, allsteps)}
 
 
 # ---------------------------------------------------------------------------------------------------- naming
