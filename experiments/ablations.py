@@ -164,26 +164,24 @@ def build_suites() -> dict[str, Suite]:
         "paper", make_ablations("paper"), [0, 1, 2], launcher="slurm", sweep_dir="outputs/ablations/paper",
         description="Paper-scale suite (`make ablations SCALE=paper`): SD3.5-Medium on 8 GPUs per run through the "
                     "SLURM launcher (conf/hydra/launcher/slurm.yaml), the paper's settings (paper_base.yaml).")
+    ddim = {"sampler": "ddim_sde"}
     step0 = Suite(
         "step0",
         [Ablation("method_sampler", "mini_step0", {"advantage": ["uniform", "gain"], "sampler": ["flow_sde", "ddim_sde"]},
                   [], "method x SDE with only step 0 trained (the default recipe)",
                   "Uniform credit vs gains, each with Flow-GRPO's SDE (a = 0.7) and the DDIM SDE (eta = 0.9, eta_s), on "
-                  "the default recipe: 60 iterations x 4 prompts x 16, only denoising step 0 trained.")],
-        [0, 1, 2], sweep_dir="outputs/ablations/step0",
-        description="Step-0 suite: method x SDE on the default recipe of `python -m stepflow.train` "
-                    "(conf/experiment/mini_step0.yaml), 3 seeds per arm, ~45 min at --jobs 2.")
-    cost = Suite(
-        "cost",
-        [Ablation("cost", "mini_step0", {}, [{"advantage": "gain"}, {"advantage": "gain_trained"},
-                                             {"loop.adaptive_substeps": "true"}, {"advantage": "uniform"}],
+                  "the default recipe: 60 iterations x 4 prompts x 16, only denoising step 0 trained."),
+         Ablation("cost", "mini_step0", {}, [{"advantage": "gain", **ddim}, {"advantage": "gain_trained", **ddim},
+                                             {"advantage": "gain", "loop.adaptive_substeps": "true", **ddim},
+                                             {"advantage": "uniform", **ddim}],
                   "doing only the work the credit uses (step 0 trained, DDIM SDE)",
-                  "Gains normalised over the trained step only, which estimate and score just X_0 and X_1 and stop the "
-                  "rollout after X_1 (advantage=gain_trained), and adaptive substeps ceil(T' t), against gains over "
-                  "every step and uniform credit, per iteration and per second.")],
+                  "Gains normalised over the trained step only, which estimate and score just X_0 and X_1 and stop "
+                  "the rollout after X_1 (advantage=gain_trained), and adaptive substeps ceil(T' t), against gains "
+                  "over every step and uniform credit, per iteration and per second (the gain and uniform arms are "
+                  "method_sampler's runs).")],
         [0, 1, 2], sweep_dir="outputs/ablations/step0",
-        description="Cost suite: the default recipe's work reductions (conf/experiment/mini_step0.yaml), 3 seeds; "
-                    "it shares the step-0 suite's directory, so its gain and uniform arms are that suite's runs.")
+        description="Step-0 suite: method x SDE and the work reductions on the default recipe of "
+                    "`python -m stepflow.train` (conf/experiment/mini_step0.yaml), 3 seeds per arm.")
     every = {"train.train_steps": "null"}
     allsteps = Suite(
         "allsteps",
@@ -203,7 +201,7 @@ def build_suites() -> dict[str, Suite]:
         [0, 1, 2], common=["window.size=3", "window.every=10"], sweep_dir="outputs/ablations/allsteps",
         description="Every-step suite: credit for every step on the default recipe (conf/experiment/mini_step0.yaml), "
                     "weightings, SDE windows and automatic step weighting, 3 seeds per arm.")
-    return {s.name: s for s in (full, quick, paper, step0, cost, allsteps)}
+    return {s.name: s for s in (full, quick, paper, step0, allsteps)}
 
 
 # ---------------------------------------------------------------------------------------------------- naming
