@@ -107,6 +107,29 @@ def bench(name: str, overrides: list[str], iters: int, warmup: int, run_dir: Pat
             "ratio": {k: g[k] / u[k] if u[k] else float("nan") for k in ("iteration", "nfe", "fwd_equiv", "images")}}
 
 
+def compare(name: str, overrides: list[str], key: str, values: list[str], iters: int, warmup: int,
+            run_dir: Path, scheme: str = "gain") -> str:
+    """One setting, one scheme, ``key`` set to each of ``values``, iterations interleaved: per-phase medians and the
+    ratio of each variant's s/it to the first's (how chunk sizes and micro-batches were chosen)."""
+    from tqdm.auto import tqdm
+
+    mods = {v: build([*overrides, f"{key}={v}"], scheme, run_dir / name / f"{key}={v}") for v in values}
+    recs: dict[str, list[dict]] = {v: [] for v in values}
+    for i in tqdm(range(iters + warmup), desc=f"{name} {key}"):
+        for v, (module, clock) in mods.items():
+            r = one(module, clock)
+            if i >= warmup:
+                recs[v].append(r)
+    med = {v: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for v, rs in recs.items()}
+    base = med[values[0]]["iteration"]
+    lines = [f"| {name} ({scheme}) | " + " | ".join(PHASES) + " | s/it | vs first |", "|" + "---|" * (len(PHASES) + 3)]
+    for v in values:
+        m = med[v]
+        lines.append(f"| {key}={v} | " + " | ".join(f"{m[p]:.2f}" for p in PHASES)
+                     + f" | {m['iteration']:.2f} | {m['iteration'] / base:.2f}× |")
+    return "\n".join(lines)
+
+
 def table(results: list[dict]) -> str:
     head = ("| setting | scheme | s/it | " + " | ".join(PHASES) + " | NFE | fwd-equiv NFE | images | model share |"
             " gain ÷ uniform (s/it, fwd-equiv) |")
@@ -139,6 +162,8 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--json", default=None)
     ap.add_argument("--run-dir", default="/tmp/stepflow_bench")
+    ap.add_argument("--compare", default=None, metavar="KEY=V1,V2",
+                    help="instead of gain vs uniform: gain with KEY set to each value, interleaved")
     ap.add_argument("overrides", nargs="*", help="Hydra overrides added to every setting")
     args = ap.parse_args(argv)
     import torch
@@ -146,6 +171,13 @@ def main(argv=None) -> list[dict]:
     torch.set_num_threads(args.threads)
     sys.path.insert(0, str(ROOT / "tests"))
     results = []
+    if args.compare:
+        key, _, vals = args.compare.partition("=")
+        with _quiet():
+            for name in [x.strip() for x in args.settings.split(",") if x.strip()]:
+                print(compare(name, SETTINGS[name] + args.overrides, key, vals.split(","), args.iters, args.warmup,
+                              Path(args.run_dir)), flush=True)
+        return results
     with _quiet():
         for name in [s.strip() for s in args.settings.split(",") if s.strip()]:
             if name not in SETTINGS:
