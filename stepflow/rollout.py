@@ -153,10 +153,12 @@ def estimate_states(policy: FlowPolicy, traj: Trajectory, substeps: int, guidanc
     return x0_hat
 
 
-def _decode(policy: FlowPolicy, latents: Tensor, chunk: int | None) -> Tensor:
+def _decode(policy: FlowPolicy, latents: Tensor, chunk: int | None, estimate: bool = False) -> Tensor:
     n = latents.shape[0]
     chunk = chunk or n
-    return torch.cat([policy.decode(latents[s:s + chunk]) for s in range(0, n, chunk)])
+    if not estimate:
+        return torch.cat([policy.decode(latents[s:s + chunk]) for s in range(0, n, chunk)])
+    return torch.cat([policy.decode(latents[s:s + chunk], estimate=True) for s in range(0, n, chunk)])
 
 
 def _repeat(items: Sequence, n: int) -> list:
@@ -177,7 +179,17 @@ def score(policy: FlowPolicy, reward: Reward, traj: Trajectory, x0_hat: Tensor |
         return Scores(rewards, dict(out.components), images=b)
     ks = list(range(tp1)) if states is None else sorted(states)
     n = len(ks)
-    images = _decode(policy, x0_hat[:, ks].flatten(0, 1), decode_chunk)
+    if getattr(policy, "estimate_vae", None) is None:
+        images = _decode(policy, x0_hat[:, ks].flatten(0, 1), decode_chunk)
+    else:  # the estimates of intermediate states through the cheap decoder, the final image through the VAE
+        inter = [k for k in ks if k < tp1 - 1]
+        parts = []
+        if inter:
+            est = _decode(policy, x0_hat[:, inter].flatten(0, 1), decode_chunk, estimate=True)
+            parts.append(est.view(b, len(inter), *est.shape[1:]))
+        if len(inter) < n:
+            parts.append(_decode(policy, x0_hat[:, -1], decode_chunk)[:, None])
+        images = torch.cat(parts, 1).flatten(0, 1)
     out = reward(images, _repeat(traj.prompts, n), _repeat(traj.meta, n))
     rewards[:, ks] = out.scores.view(b, n).float()
     final = ks.index(tp1 - 1) if ks[-1] == tp1 - 1 else None

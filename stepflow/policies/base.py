@@ -188,8 +188,9 @@ class FlowPolicy(nn.Module):
         """Encode prompts to conditioning (implementations cache per prompt)."""
         raise NotImplementedError
 
-    def decode(self, latents: Tensor) -> Tensor:  # pragma: no cover - interface
-        """latents (B, C, H, W) -> images (B, 3, H', W') in [0, 1], fp32."""
+    def decode(self, latents: Tensor, estimate: bool = False) -> Tensor:  # pragma: no cover - interface
+        """latents (B, C, H, W) -> images (B, 3, H', W') in [0, 1], fp32. ``estimate``: the latents are x̂0 estimates
+        of intermediate states (a policy with a cheap estimate decoder may use it; the final image never does)."""
         raise NotImplementedError
 
     def negative_cond(self, batch_size: int) -> Cond:

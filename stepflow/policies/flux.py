@@ -125,7 +125,8 @@ class FluxPolicy(PipelinePolicy):
                  embedded_guidance: float | None = 3.5, gradient_checkpointing: bool = False,
                  offload_text_encoders: bool = False, guidance: float = 1.0, eval_guidance: float = 1.0,
                  decode_batch_size: int = 8, encode_batch_size: int = 16, lora: Mapping[str, Any] | None = None,
-                 finetune: str = "lora", name: str | None = None):
+                 finetune: str = "lora", name: str | None = None,
+                 estimate_vae: str | None = None):
         vae_scale = 2 ** (len(pipe.vae.config.block_out_channels) - 1)
         multiple = vae_scale * 2
         if height % multiple or width % multiple:
@@ -137,7 +138,8 @@ class FluxPolicy(PipelinePolicy):
         super().__init__(pipe, name=name or str(getattr(pipe, "name_or_path", "") or "flux"),
                          max_sequence_length=max_sequence_length, gradient_checkpointing=gradient_checkpointing,
                          offload_text_encoders=offload_text_encoders, guidance=guidance, eval_guidance=eval_guidance,
-                         decode_batch_size=decode_batch_size, encode_batch_size=encode_batch_size)
+                         decode_batch_size=decode_batch_size, encode_batch_size=encode_batch_size,
+                         estimate_vae=estimate_vae)
         self.height, self.width = int(height), int(width)
         self.vae_scale_factor = vae_scale
         self.latent_shape = (int(pipe.vae.config.latent_channels), self.height // vae_scale, self.width // vae_scale)

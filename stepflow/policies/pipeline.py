@@ -151,11 +151,14 @@ class PipelinePolicy(FlowPolicy):
 
     def __init__(self, pipe, *, name: str | None = None, max_sequence_length: int = 256,
                  gradient_checkpointing: bool = False, offload_text_encoders: bool = False, guidance: float = 1.0,
-                 eval_guidance: float = 1.0, decode_batch_size: int = 8, encode_batch_size: int = 16):
+                 eval_guidance: float = 1.0, decode_batch_size: int = 8, encode_batch_size: int = 16,
+                 estimate_vae: str | None = None):
         super().__init__()
         self.pipe = pipe  # plain attribute: not a Module, its modules are registered below or kept out on purpose
         self.transformer = pipe.transformer
         self.vae = pipe.vae
+        #: a cheap decoder for the x̂0 estimates of intermediate states (the final image keeps the full VAE)
+        self.estimate_vae = self._load_estimate_vae(estimate_vae)
         self.name = name or str(getattr(pipe, "name_or_path", "") or type(self).__name__)
         self.max_sequence_length = int(max_sequence_length)
         self.offload_text_encoders = bool(offload_text_encoders)
@@ -274,14 +277,40 @@ class PipelinePolicy(FlowPolicy):
         """Latents (b, C, H, W) fp32 -> the VAE's images (b, 3, H', W') in [-1, 1]."""
         raise NotImplementedError
 
-    def decode(self, latents: Tensor) -> Tensor:
+    def decode(self, latents: Tensor, estimate: bool = False) -> Tensor:
         """latents (B, C, H, W) -> images (B, 3, H', W') in [0, 1], fp32 (in chunks of ``decode_batch_size``), as the
-        pipeline's ``output_type="pt"``: ``(vae image / 2 + 0.5).clamp(0, 1)``."""
+        pipeline's ``output_type="pt"``: ``(vae image / 2 + 0.5).clamp(0, 1)``. ``estimate`` with an
+        ``estimate_vae`` (a diffusers ``AutoencoderTiny``, e.g. TAESD3 / TAEF1): decoded by that tiny decoder
+        instead, with its own scaling and shift (only x̂0 estimates of intermediate states ask for it)."""
+        tiny = self.estimate_vae if estimate else None
         out = []
         for chunk in latents.split(max(1, self.decode_batch_size)):
-            img = self._decode_chunk(chunk.float())
+            img = self._decode_chunk(chunk.float()) if tiny is None else self._decode_tiny(tiny, chunk.float())
             out.append((img.float() / 2 + 0.5).clamp(0, 1))
         return torch.cat(out).to(latents.device)
+
+    def _decode_tiny(self, tiny, z: Tensor) -> Tensor:
+        cfg = tiny.config
+        p = next(tiny.parameters())
+        z = z / cfg.scaling_factor + cfg.shift_factor
+        return tiny.decode(z.to(p.device, p.dtype), return_dict=False)[0]
+
+    def _load_estimate_vae(self, path: str | None):
+        """The ``estimate_vae`` (``AutoencoderTiny.from_pretrained``), or None; a one-line error when it fails."""
+        if not path:
+            return None
+        from diffusers import AutoencoderTiny
+
+        try:
+            vae = AutoencoderTiny.from_pretrained(str(path))
+        except Exception as e:  # noqa: BLE001 - offline, wrong path, not a tiny autoencoder
+            raise ModelLoadError(f"cannot load model.estimate_vae '{path}' ({_first_line(e)}); download it once "
+                                 f"(e.g. `hf download madebyollin/taesd3 --local-dir DIR`) and set "
+                                 f"model.estimate_vae=DIR, or null for the full VAE") from None
+        if vae.config.latent_channels != self.vae.config.latent_channels:
+            raise ModelLoadError(f"model.estimate_vae: '{path}' has {vae.config.latent_channels} latent channels, "
+                                 f"the model's VAE {self.vae.config.latent_channels}; use the model's tiny decoder")
+        return vae.to(torch.float32).eval().requires_grad_(False)
 
     def _vae_param(self) -> Tensor:
         return next(self.vae.parameters())

@@ -64,6 +64,8 @@ class SD3Policy(PipelinePolicy):
             4.5 for its GenEval models) and for evaluation (4.5).
         lora, finetune, gradient_checkpointing, offload_text_encoders, decode_batch_size, encode_batch_size:
             see :class:`~stepflow.policies.pipeline.PipelinePolicy`.
+        estimate_vae: a diffusers ``AutoencoderTiny`` (Hub id or folder, e.g. ``madebyollin/taesd3``) that decodes
+            the x̂0 estimates of intermediate states; the final image keeps the full VAE. None: the full VAE.
     """
 
     text_encoder_names = ("text_encoder", "text_encoder_2", "text_encoder_3")
@@ -71,7 +73,8 @@ class SD3Policy(PipelinePolicy):
     def __init__(self, pipe, *, height: int = 512, width: int = 512, max_sequence_length: int = 256,
                  gradient_checkpointing: bool = False, offload_text_encoders: bool = False, guidance: float = 1.0,
                  eval_guidance: float = 4.5, decode_batch_size: int = 8, encode_batch_size: int = 16,
-                 lora: Mapping[str, Any] | None = None, finetune: str = "lora", name: str | None = None):
+                 lora: Mapping[str, Any] | None = None, finetune: str = "lora", name: str | None = None,
+                 estimate_vae: str | None = None):
         vae_scale = 2 ** (len(pipe.vae.config.block_out_channels) - 1)
         multiple = vae_scale * pipe.transformer.config.patch_size
         if height % multiple or width % multiple:
@@ -85,7 +88,8 @@ class SD3Policy(PipelinePolicy):
         super().__init__(pipe, name=name or str(getattr(pipe, "name_or_path", "") or "sd3"),
                          max_sequence_length=max_sequence_length, gradient_checkpointing=gradient_checkpointing,
                          offload_text_encoders=offload_text_encoders, guidance=guidance, eval_guidance=eval_guidance,
-                         decode_batch_size=decode_batch_size, encode_batch_size=encode_batch_size)
+                         decode_batch_size=decode_batch_size, encode_batch_size=encode_batch_size,
+                         estimate_vae=estimate_vae)
         self.height, self.width = int(height), int(width)
         self.vae_scale_factor = vae_scale
         self.latent_shape = (int(pipe.vae.config.latent_channels), self.height // vae_scale, self.width // vae_scale)

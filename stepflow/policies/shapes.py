@@ -271,7 +271,7 @@ class ShapesPolicy(FlowPolicy):
         self._cache.clear()
         self._neg_cond = None
 
-    def decode(self, latents: Tensor) -> Tensor:
+    def decode(self, latents: Tensor, estimate: bool = False) -> Tensor:
         """latents (B, 3, H, W) in ~[-1, 1] -> images (B, 3, H, W) in [0, 1], fp32."""
         return ((latents.float() + 1.0) / 2.0).clamp(0.0, 1.0)
 

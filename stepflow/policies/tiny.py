@@ -368,3 +368,28 @@ def tiny_qwen_image_policy(path: str | None = None, seed: int = 0, cache_dir: st
     kwargs.setdefault("height", TINY_HEIGHT)
     kwargs.setdefault("width", TINY_HEIGHT)
     return QwenImagePolicy.from_pretrained(path or str(tiny_qwen_image_dir(seed, cache_dir)), **kwargs)
+
+
+def tiny_taesd_dir(seed: int = 0, cache_dir: str | os.PathLike | None = None, latent_channels: int = 16) -> Path:
+    """A tiny random ``AutoencoderTiny`` (TAESD layout: 16 latent channels, 8x upsampling, SD3's scaling and shift),
+    built once into the cache: the stand-in for TAESD3 / TAEF1 in tests and ``model.estimate_vae`` smoke runs."""
+    import torch
+    from diffusers import AutoencoderTiny
+
+    root = Path(cache_dir or os.environ.get("STEPFLOW_CACHE") or Path.home() / ".cache" / "stepflow").expanduser()
+    target = root / f"taesd_tiny-v{TINY_VERSION}-c{latent_channels}-s{seed}"
+    if (target / "config.json").is_file():
+        return target
+    torch.manual_seed(seed)
+    vae = AutoencoderTiny(in_channels=3, out_channels=3, latent_channels=latent_channels,
+                          encoder_block_out_channels=(8, 8, 8, 8), decoder_block_out_channels=(8, 8, 8, 8),
+                          num_encoder_blocks=(1, 1, 1, 1), num_decoder_blocks=(1, 1, 1, 1), scaling_factor=1.5305,
+                          shift_factor=0.0609)
+    tmp = Path(tempfile.mkdtemp(prefix=".taesd-", dir=root if root.is_dir() else None))
+    vae.save_pretrained(str(tmp))
+    root.mkdir(parents=True, exist_ok=True)
+    try:
+        os.replace(tmp, target)
+    except OSError:  # another process won the race
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
