@@ -124,17 +124,17 @@ def iteration(lr: Learner, it: int) -> IterationResult:
     need = states_needed(lr, trained, it)  # the states whose rewards the credit (and the log) read
     lr.policy.eval()
     _stop_point(lr)
-    with ph("rollout"):  # X_0 .. X_D and log π_old under the SDE sampler, no grad (D: the last state needed)
-        traj = rollout(lr.policy, mine, lr.sampler, steps, lr.guidance, depth=max(need), sde_steps=sde)
-    _stop_point(lr)
-    with ph("estimate"):  # x̂0 of the needed states by T′ Euler substeps (none for uniform credit)
-        x0_hat = None
-        if lr.advantage.needs_stepwise_rewards:
-            x0_hat = estimate_states(lr.policy, traj, lr.loop.substeps, lr.guidance, lr.loop.adaptive_substeps,
-                                     lr.loop.estimate_chunk, states=need)
-    _stop_point(lr)
-    with ph("reward"), contextlib.suppress(stop.StopRequested):  # the needed R_k in one call (uniform: R_T only)
-        scores = score(lr.policy, lr.reward, traj, x0_hat, lr.loop.decode_chunk, states=need)
+    if lr.loop.overlap_reward:  # the same three phases, chunk by chunk, each chunk's reward call in a thread
+        traj, x0_hat, scores = _rollout_and_score_overlapped(lr, mine, need, sde, ph)
+    else:
+        with ph("rollout"):  # X_0 .. X_D and log π_old under the SDE sampler, no grad (D: the last state needed)
+            traj = rollout(lr.policy, mine, lr.sampler, steps, lr.guidance, depth=max(need), sde_steps=sde)
+        _stop_point(lr)
+        with ph("estimate"):  # x̂0 of the needed states by T′ Euler substeps (none for uniform credit)
+            x0_hat = _estimate(lr, traj, need)
+        _stop_point(lr)
+        with ph("reward"), contextlib.suppress(stop.StopRequested):  # the needed R_k in one call (uniform: R_T)
+            scores = score(lr.policy, lr.reward, traj, x0_hat, lr.loop.decode_chunk, states=need)
     _stop_point(lr)  # an interrupted reward call set the stop flag: every rank stops here
     with ph("advantage"):  # gains G_k = R_{k+1} − R_k, normalised per group over every rank's rows
         rewards = lr.dist.gather_rows(scores.rewards)
@@ -145,6 +145,46 @@ def iteration(lr: Learner, it: int) -> IterationResult:
         upd = update(lr, traj, lr.dist.local_rows(adv.advantages), x0_hat, it, trained, w, mine.group_ids, measure)
     upd["train/nonfinite_rewards"] = float(dropped.sum())
     return IterationResult(plan, scores, rewards, adv, upd, ph, x0_hat is not None, ~dropped)
+
+
+def _estimate(lr: Learner, traj: Trajectory, need: list[int]) -> Tensor | None:
+    if not lr.advantage.needs_stepwise_rewards:
+        return None
+    return estimate_states(lr.policy, traj, lr.loop.substeps, lr.guidance, lr.loop.adaptive_substeps,
+                           lr.loop.estimate_chunk, states=need)
+
+
+def _rollout_and_score_overlapped(lr: Learner, plan: IterationPlan, need: list[int], sde, ph: Phases):
+    """Rollout, estimates and decoding of ``loop.overlap_chunks`` chunks of the rows in turn, each chunk's reward
+    call submitted to a thread as soon as its images exist; the "reward" phase is what is left to wait for at the
+    end. Same trajectories, rewards and NFEs as the sequential phases (rows are seeded one by one)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from stepflow.rollout import Scores
+
+    n = len(plan)
+    size = -(-n // lr.loop.overlap_chunks)
+    parts, ests, futures = [], [], []
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="reward") as pool:
+        for s in range(0, n, size):
+            sub = IterationPlan(plan.prompts[s:s + size], plan.meta[s:s + size], plan.group_ids[s:s + size],
+                                plan.step_noise_seeds[s:s + size], plan.init_noise_seeds[s:s + size])
+            with ph("rollout"):
+                part = rollout(lr.policy, sub, lr.sampler, lr.loop.num_steps, lr.guidance, depth=max(need), sde_steps=sde)
+            with ph("estimate"):
+                est = _estimate(lr, part, need)
+                futures.append(score(lr.policy, lr.reward, part, est, lr.loop.decode_chunk, states=need, executor=pool))
+            parts.append(part)
+            ests.append(est)
+        with ph("reward"):
+            try:
+                done = [f.result() for f in futures]
+            except stop.StopRequested:  # an interrupted reward call: the caller's stop point stops every rank
+                return None, None, None
+    traj = Trajectory.cat(parts)
+    x0_hat = None if ests[0] is None else torch.cat(ests)
+    comps = {k: torch.cat([d.components[k] for d in done]) for k in done[0].components}
+    return traj, x0_hat, Scores(torch.cat([d.rewards for d in done]), comps, images=sum(d.images for d in done))
 
 
 def _stop_point(lr: Learner) -> None:

@@ -58,6 +58,13 @@ class LoopConfig:
     #: when the credit reads no final image (advantage.over=trained), roll out to the end and score it every N
     #: iterations anyway, for train/reward_final (0 = never)
     final_reward_every: int = 10
+    #: roll out, estimate and decode in ``overlap_chunks`` chunks of the batch, each chunk's reward call running in
+    #: a thread while the next chunk is rolled out (a remote reward's latency hides behind the model; on-policy:
+    #: the weights do not change within the iteration)
+    overlap_reward: bool = False
+    overlap_chunks: int = 4
+    #: torch.compile the transformer with this backend (inductor on a GPU; null = eager)
+    compile: str | None = None
 
     def __post_init__(self) -> None:
         _need(_is_int(self.iterations) and self.iterations >= 1, f"iterations: must be an integer >= 1, got {self.iterations!r}")
@@ -68,6 +75,7 @@ class LoopConfig:
         _need(self.substeps >= 1, f"substeps: must be >= 1, got {self.substeps}")
         _need(_is_int(self.final_reward_every) and self.final_reward_every >= 0,
               f"final_reward_every: must be an integer >= 0 (0 = never), got {self.final_reward_every!r}")
+        _need(_is_int(self.overlap_chunks) and self.overlap_chunks >= 1, f"overlap_chunks: must be an integer >= 1, got {self.overlap_chunks!r}")
         _need(0.0 <= self.max_nonfinite_frac <= 1.0, f"max_nonfinite_frac: must be in [0, 1], got {self.max_nonfinite_frac}")
         for name in ("estimate_chunk", "decode_chunk"):
             v = getattr(self, name)

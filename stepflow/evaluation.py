@@ -22,18 +22,21 @@ from stepflow.policies.base import FlowPolicy
 
 @torch.no_grad()
 def sample_ode(policy: FlowPolicy, prompts: Sequence[str], num_steps: int = 10, guidance: float = 1.0, seed: int = 0,
-               batch_size: int = 64, generator: torch.Generator | None = None) -> Tensor:
+               batch_size: int = 64, generator: torch.Generator | None = None, offset: int = 0,
+               total: int | None = None) -> Tensor:
     """Deterministic Euler ODE sampling on ``policy.time_grid(num_steps)`` (from t=1, noise, to t=0, data).
 
     ``x_{k+1} = x_k + (t_{k+1} - t_k) * v(x_k, t_k)`` with ``v = x1 - x0`` (rectified flow). The initial noise of all
     ``len(prompts)`` samples is drawn at once from ``seed`` (on the CPU), so a sample depends on its index and the seed,
-    not on ``batch_size``. NFE = ``num_steps`` (x2 with guidance != 1). Returns images (B, 3, H, W) in [0, 1] on the CPU.
+    not on ``batch_size``. ``offset`` / ``total``: these prompts are samples ``offset..`` of ``total`` (a rank's shard of
+    an evaluation), so they get the noise they would get in one process. NFE = ``num_steps`` (x2 with guidance != 1).
+    Returns images (B, 3, H, W) in [0, 1] on the CPU.
     """
     prompts = list(prompts)
     if not prompts:
         return torch.zeros(0, 3, *policy.latent_shape[1:])
     gen = generator if generator is not None else torch.Generator().manual_seed(int(seed))
-    noise = torch.randn((len(prompts), *policy.latent_shape), generator=gen)
+    noise = torch.randn((total or len(prompts), *policy.latent_shape), generator=gen)[offset:offset + len(prompts)]
     grid = policy.time_grid(num_steps).float().tolist()
     dev = policy.device
     out = []
@@ -93,19 +96,39 @@ def evaluate_geneval(policy: FlowPolicy, prompt_records: Sequence[dict[str, Any]
 
 @torch.no_grad()
 def evaluate_reward(policy: FlowPolicy, reward, records: Sequence[dict[str, Any]], num_steps: int = 10,
-                    guidance: float = 1.0, seed: int = 0, batch_size: int = 64
+                    guidance: float = 1.0, seed: int = 0, batch_size: int = 64, dist=None
                     ) -> tuple[dict[str, float], Tensor, list[str]]:
-    """The held-out evaluation of a training run: :func:`sample_ode` on the records' prompts, scored by ``reward``.
+    """The held-out evaluation of a training run: :func:`sample_ode` on the records' prompts, scored by ``reward``,
+    sharded over the ranks of ``dist`` (a :class:`stepflow.dist.Dist`; each samples a contiguous slice with the noise
+    it would have in one process, the per-sample scores are gathered).
 
-    Returns ``({"eval/<reward>": mean score, "eval/geneval*": ...}, images, prompts)``; the GenEval-style table is
-    added when the reward has a ``geneval_table`` method (the embedded world's judge).
+    Returns ``({"eval/<reward>": mean score, "eval/geneval*": ...}, this rank's images, their prompts)``. The
+    GenEval-style table (strict accuracy per category, their mean) comes from the reward's own ``strict`` component
+    and each record's ``tag`` (or ``category``), when both exist; the judge runs once per image.
     """
-    prompts = [r["prompt"] for r in records]
-    images = sample_ode(policy, prompts, num_steps=num_steps, guidance=guidance, seed=seed, batch_size=batch_size)
-    res = {f"eval/{reward.name}": reward(images, prompts, list(records)).scores.mean().item()}
-    table = getattr(reward, "geneval_table", None)
-    if table is not None:
-        res.update({f"eval/{k}": float(v) for k, v in table(images, prompts).items()})
+    rank, world = (0, 1) if dist is None else (dist.rank, dist.world)
+    n = len(records)
+    per = -(-n // world)
+    mine = list(records[rank * per:(rank + 1) * per])
+    prompts = [r["prompt"] for r in mine]
+    images = sample_ode(policy, prompts, num_steps=num_steps, guidance=guidance, seed=seed, batch_size=batch_size,
+                        offset=rank * per, total=n)
+    out = reward(images, prompts, mine) if mine else None
+    tags = [r.get("tag", r.get("category")) for r in records]
+    cols = [out.scores.float() if out is not None else torch.zeros(0)]
+    strict = out is not None and "strict" in out.components and all(t is not None for t in tags)
+    if strict:
+        cols.append(out.components["strict"].float())
+    local = torch.stack(cols, 1) if mine else torch.zeros(0, len(cols))
+    if world > 1:  # pad every rank's rows to `per`, gather, drop the padding
+        pad = torch.full((per, local.shape[1]), float("nan"))
+        pad[:len(local)] = local
+        local = dist.gather_rows(pad)[:n]
+    res = {f"eval/{reward.name}": float(local[:, 0].mean())}
+    if strict:
+        from stepflow.rewards.shapes_geneval import table_from_strict
+
+        res.update({f"eval/{k}": v for k, v in table_from_strict(tags, local[:, 1].tolist()).items()})
     return res, images, prompts
 
 

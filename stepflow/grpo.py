@@ -62,6 +62,8 @@ class GRPOModule(L.LightningModule):
         self._optimizer = None
         if train.beta_kl > 0:
             policy.prepare_reference()  # full fine-tuning: copy π_ref before any weight (or EMA swap) changes it
+        if loop.compile:
+            policy.transformer.compile(backend=loop.compile)  # in place: parameter names (LoRA, checkpoints) stay
         self.ema = ParamEMA(policy.trainable_parameters(), ema.decay, ema.update_every) if ema.enabled else None
         guidance = loop.guidance if loop.guidance is not None else getattr(policy, "guidance", 1.0)
         signal = None
@@ -208,19 +210,18 @@ class GRPOModule(L.LightningModule):
         """Held-out prompts, ODE sampling, EMA weights; logs eval/<reward> (+ eval/geneval*) and writes a grid."""
         from stepflow.evaluation import balanced_subset, evaluate_reward, save_grid
 
-        dist = Dist.from_module(self)
-        res: dict[str, float] = {}
+        dist = Dist.from_module(self)  # every rank samples and scores its share of the prompts
+        e = self.eval_cfg
+        recs = balanced_subset(self.eval_records, e.max_prompts)
+        guidance = e.guidance if e.guidance is not None else getattr(self.policy, "eval_guidance", 1.0)
+        with self.ema.applied() if self.ema is not None else contextlib.nullcontext():
+            res, images, prompts = evaluate_reward(self.policy, self.reward, recs, num_steps=e.num_steps,
+                                                   guidance=float(guidance), seed=e.seed, batch_size=e.batch_size,
+                                                   dist=dist)
         if dist.rank == 0:
-            e = self.eval_cfg
-            recs = balanced_subset(self.eval_records, e.max_prompts)
-            guidance = e.guidance if e.guidance is not None else getattr(self.policy, "eval_guidance", 1.0)
-            with self.ema.applied() if self.ema is not None else contextlib.nullcontext():
-                res, images, prompts = evaluate_reward(self.policy, self.reward, recs, num_steps=e.num_steps,
-                                                       guidance=float(guidance), seed=e.seed, batch_size=e.batch_size)
             n = min(e.grid_prompts, len(prompts))
             save_grid(images[:n], prompts[:n], self.run_dir / "eval_grids" / f"iter_{self.iteration:04d}.png")
             self._log(res)
-        dist.barrier()
         return res
 
     def save_outputs(self) -> None:

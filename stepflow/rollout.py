@@ -64,6 +64,14 @@ class Trajectory:
         """D, the number of steps rolled out (T unless stopped early)."""
         return self.latents.shape[1] - 1
 
+    @staticmethod
+    def cat(parts: Sequence[Trajectory]) -> Trajectory:
+        """Trajectories of the same grid and depth, concatenated along the batch."""
+        return Trajectory(latents=torch.cat([p.latents for p in parts]), velocities=torch.cat([p.velocities for p in parts]),
+                          log_probs=torch.cat([p.log_probs for p in parts]), trainable=torch.cat([p.trainable for p in parts]),
+                          times=parts[0].times, cond=Cond.cat([p.cond for p in parts]),
+                          prompts=[x for p in parts for x in p.prompts], meta=[x for p in parts for x in p.meta])
+
 
 @dataclass(frozen=True)
 class Scores:
@@ -167,32 +175,48 @@ def _repeat(items: Sequence, n: int) -> list:
 
 @torch.no_grad()
 def score(policy: FlowPolicy, reward: Reward, traj: Trajectory, x0_hat: Tensor | None = None,
-          decode_chunk: int | None = None, states: list[int] | None = None) -> Scores:
+          decode_chunk: int | None = None, states: list[int] | None = None, executor=None):
     """Decode and score in one reward call: R_k of the states ``states`` (default 0..T) from the estimates
     ``x0_hat`` (B, T+1, ...) when given (B·len(states) images), else only R_T of the final latents (B images; what
-    uniform credit reads). Rewards not computed are NaN; components are those of R_T (NaN when it was not scored)."""
+    uniform credit reads). Rewards not computed are NaN; components are those of R_T (NaN when it was not scored).
+
+    ``executor`` (a ``concurrent.futures`` executor): the images are decoded here and the reward call runs there;
+    returns a future of the :class:`Scores` (the caller goes on, e.g. rolling out the next chunk)."""
     b, tp1 = traj.batch_size, traj.num_steps + 1
-    rewards = torch.full((b, tp1), float("nan"))
     if x0_hat is None:
-        out = reward(_decode(policy, traj.latents[:, -1], decode_chunk), traj.prompts, traj.meta)
-        rewards[:, -1] = out.scores
-        return Scores(rewards, dict(out.components), images=b)
-    ks = list(range(tp1)) if states is None else sorted(states)
+        images, ks, prompts, meta = _decode(policy, traj.latents[:, -1], decode_chunk), [tp1 - 1], traj.prompts, traj.meta
+    else:
+        ks = list(range(tp1)) if states is None else sorted(states)
+        images = _decode_states(policy, x0_hat, ks, decode_chunk)
+        prompts, meta = _repeat(traj.prompts, len(ks)), _repeat(traj.meta, len(ks))
+    if executor is not None:
+        return executor.submit(_scores, reward, images, prompts, meta, b, tp1, ks)
+    return _scores(reward, images, prompts, meta, b, tp1, ks)
+
+
+def _scores(reward: Reward, images: Tensor, prompts: list, meta: list, b: int, tp1: int, ks: list[int]) -> Scores:
+    """One reward call over the decoded images of states ``ks`` (row i·len(ks) + j = state ks[j] of sample i)."""
+    out = reward(images, prompts, meta)
     n = len(ks)
-    if getattr(policy, "estimate_vae", None) is None:
-        images = _decode(policy, x0_hat[:, ks].flatten(0, 1), decode_chunk)
-    else:  # the estimates of intermediate states through the cheap decoder, the final image through the VAE
-        inter = [k for k in ks if k < tp1 - 1]
-        parts = []
-        if inter:
-            est = _decode(policy, x0_hat[:, inter].flatten(0, 1), decode_chunk, estimate=True)
-            parts.append(est.view(b, len(inter), *est.shape[1:]))
-        if len(inter) < n:
-            parts.append(_decode(policy, x0_hat[:, -1], decode_chunk)[:, None])
-        images = torch.cat(parts, 1).flatten(0, 1)
-    out = reward(images, _repeat(traj.prompts, n), _repeat(traj.meta, n))
+    rewards = torch.full((b, tp1), float("nan"))
     rewards[:, ks] = out.scores.view(b, n).float()
     final = ks.index(tp1 - 1) if ks[-1] == tp1 - 1 else None
     comps = {k: (v.view(b, n)[:, final] if final is not None else torch.full((b,), float("nan")))
              for k, v in out.components.items()}
     return Scores(rewards, comps, images=b * n)
+
+
+def _decode_states(policy: FlowPolicy, x0_hat: Tensor, ks: list[int], decode_chunk: int | None) -> Tensor:
+    """Images of the states ``ks`` of every sample (B·len(ks), 3, H, W): the estimates of intermediate states through
+    the policy's estimate decoder when it has one, the final image through the full VAE."""
+    b, tp1 = x0_hat.shape[:2]
+    if getattr(policy, "estimate_vae", None) is None:
+        return _decode(policy, x0_hat[:, ks].flatten(0, 1), decode_chunk)
+    inter = [k for k in ks if k < tp1 - 1]
+    parts = []
+    if inter:
+        est = _decode(policy, x0_hat[:, inter].flatten(0, 1), decode_chunk, estimate=True)
+        parts.append(est.view(b, len(inter), *est.shape[1:]))
+    if len(inter) < len(ks):
+        parts.append(_decode(policy, x0_hat[:, -1], decode_chunk)[:, None])
+    return torch.cat(parts, 1).flatten(0, 1)

@@ -101,3 +101,32 @@ def test_evaluate_bad_path_is_one_line_error(tiny_dir, tmp_path, capsys, field, 
     assert e.value.code == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and field in err
+
+
+def test_training_evaluation_table_and_its_shards(tiny_dir):
+    """evaluate_reward: the GenEval table from the reward's own strict verdicts equals geneval_table on the same
+    images, and two ranks that each sample half (gathered) give the one-process numbers and images."""
+    from stepflow.evaluation import evaluate_reward
+    from stepflow.rewards.shapes_geneval import ShapesGenEvalReward, geneval_table
+    from stepflow.shapes import load_prompts
+
+    pol = ShapesPolicy.from_pretrained(tiny_dir)
+    reward = ShapesGenEvalReward()
+    recs = balanced_subset(load_prompts("eval"), 13)  # odd: the last rank's shard is padded
+    one, imgs, prompts = evaluate_reward(pol, reward, recs, num_steps=2, seed=5)
+    table = geneval_table(imgs, prompts)
+    assert {k[len("eval/"):]: v for k, v in one.items() if k.startswith("eval/geneval")} == pytest.approx(table)
+
+    class Shard:  # a 2-rank Dist: rank 1's rows were computed before rank 0 gathers
+        def __init__(self, rank, other=None):
+            self.rank, self.world, self.other, self.rows = rank, 2, other, None
+
+        def gather_rows(self, x):
+            self.rows = x
+            return x if self.other is None else torch.cat([x, self.other])
+
+    r1 = Shard(1)
+    _, imgs1, _ = evaluate_reward(pol, reward, recs, num_steps=2, seed=5, dist=r1)
+    two, imgs0, _ = evaluate_reward(pol, reward, recs, num_steps=2, seed=5, dist=Shard(0, r1.rows))
+    assert two == pytest.approx(one)
+    torch.testing.assert_close(torch.cat([imgs0, imgs1]), imgs)

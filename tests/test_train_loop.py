@@ -260,3 +260,54 @@ def test_gain_trained_does_only_the_work_its_credit_uses(tmp_path, monkeypatch):
     cut.learner.loop.final_reward_every = 2
     m2 = iteration_metrics(iteration(cut.learner, 2), 1)
     assert m2["cost/nfe_rollout"] == bsz * 4 and "train/reward_final" in m2
+
+
+def test_overlapped_reward_calls_give_the_sequential_iteration(tmp_path, monkeypatch):
+    """loop.overlap_reward: chunks rolled out, estimated and decoded in turn, their reward calls in a thread; the
+    trajectories, rewards, advantages and update are the sequential iteration's, and a slow reward's time hides
+    behind the next chunk's rollout."""
+    import time as _time
+
+    from stepflow.algorithm import iteration, iteration_metrics
+    from stepflow.train import build_module
+
+    monkeypatch.setenv("STEPFLOW_CACHE", str(tmp_path / "cache"))
+    mods = {o: build_module(make_cfg("reward=pickscore_tiny", f"loop.overlap_reward={o}", "loop.overlap_chunks=2",
+                                     "sampler=flow_sde", "train.train_steps=null"), tmp_path / str(o))
+            for o in (False, True)}
+    slow = {"n": 0}
+    for m in mods.values():
+        m.learner.optimizer = m._own_optimizer()
+        inner = m.learner.reward
+
+        class Slow:  # the remote reward's latency
+            name = inner.name
+
+            def __call__(self, images, prompts, meta=None, inner=inner):
+                _time.sleep(0.3)
+                slow["n"] += 1
+                return inner(images, prompts, meta)
+
+        m.learner.reward = Slow()
+    seq, ovl = iteration(mods[False].learner, 0), iteration(mods[True].learner, 0)
+    torch.testing.assert_close(ovl.rewards, seq.rewards, equal_nan=True)
+    torch.testing.assert_close(ovl.advantages.advantages, seq.advantages.advantages)
+    assert ovl.update["train/policy_loss"] == pytest.approx(seq.update["train/policy_loss"], rel=1e-6)
+    ms, mo = iteration_metrics(seq, 1), iteration_metrics(ovl, 1)
+    assert mo["cost/nfe"] == ms["cost/nfe"] and mo["cost/reward_images"] == ms["cost/reward_images"]
+    assert slow["n"] == 3  # one call in sequence, two chunks overlapped
+
+
+def test_compiled_transformer_gives_the_eager_velocity_and_trains(tmp_path):
+    """loop.compile=<backend>: the transformer's forward through torch.compile (aot_eager here: Dynamo's graph
+    capture of the peft-adapted transformer without a C++ build) equals eager and a run goes through."""
+    from stepflow.train import build_module
+
+    eager = build_module(make_cfg(), tmp_path / "e")
+    comp = build_module(make_cfg("loop.compile=aot_eager"), tmp_path / "c")
+    x = torch.randn(4, *eager.policy.latent_shape, generator=torch.Generator().manual_seed(0))
+    c = eager.policy.encode(["a photo of a circle"] * 4)
+    with torch.no_grad():
+        torch.testing.assert_close(comp.policy.velocity(x, 0.5, c), eager.policy.velocity(x, 0.5, c), atol=1e-6, rtol=0)
+    m = comp.iterate()
+    assert m["cost/nfe"] > 0 and sorted(comp.state_dict()) == sorted(eager.state_dict())

@@ -28,7 +28,7 @@ from stepflow.shapes import CATEGORIES
 from stepflow.shapes import detector as _det
 from stepflow.shapes.detector import FG_THRESHOLD
 
-__all__ = ["ShapesGenEvalReward", "geneval_table", "judge_batch"]
+__all__ = ["ShapesGenEvalReward", "geneval_table", "table_from_strict", "judge_batch"]
 
 
 def _to_hwc_batch(images) -> np.ndarray:
@@ -67,13 +67,18 @@ def geneval_table(images, prompts: Sequence[str], meta: Sequence[dict[str, Any] 
     metadata's ``tag``) and ``geneval``, their unweighted mean (as GenEval computes its overall score)."""
     specs = [_det.geneval_meta(s) for s in _specs(prompts, meta)]
     results = judge_batch(images, prompts, meta=specs, **judge_kwargs)
+    return table_from_strict([m["tag"] for m in specs], [float(r.strict) for r in results])
+
+
+def table_from_strict(tags: Sequence[str], strict: Sequence[float]) -> dict[str, float]:
+    """GenEval's aggregation of per-sample strict verdicts: the accuracy per category (``geneval_<tag>``) and
+    ``geneval``, the unweighted mean of the categories present."""
     per: dict[str, list[float]] = {}
-    for m, r in zip(specs, results):
-        per.setdefault(m["tag"], []).append(float(r.strict))
+    for t, s in zip(tags, strict):
+        per.setdefault(t, []).append(float(s))
     order = [c for c in CATEGORIES if c in per] + [c for c in per if c not in CATEGORIES]
     table = {f"geneval_{c}": float(np.mean(per[c])) for c in order}
-    table = {"geneval": float(np.mean(list(table.values()))) if table else 0.0, **table}
-    return table
+    return {"geneval": float(np.mean(list(table.values()))) if table else 0.0, **table}
 
 
 class ShapesGenEvalReward(Reward):
