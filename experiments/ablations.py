@@ -164,25 +164,27 @@ def build_suites() -> dict[str, Suite]:
         "paper", make_ablations("paper"), [0, 1, 2], launcher="slurm", sweep_dir="outputs/ablations/paper",
         description="Paper-scale suite (`make ablations SCALE=paper`): SD3.5-Medium on 8 GPUs per run through the "
                     "SLURM launcher (conf/hydra/launcher/slurm.yaml), the paper's settings (paper_base.yaml).")
-    ddim = {"sampler": "ddim_sde"}
+    ddim, over_all = {"sampler": "ddim_sde"}, {"advantage.over": "all"}
     step0 = Suite(
         "step0",
         [Ablation("method_sampler", "mini_step0", {"advantage": ["uniform", "gain"], "sampler": ["flow_sde", "ddim_sde"]},
                   [], "method x SDE with only step 0 trained (the default recipe)",
                   "Uniform credit vs gains, each with Flow-GRPO's SDE (a = 0.7) and the DDIM SDE (eta = 0.9, eta_s), on "
                   "the default recipe: 60 iterations x 4 prompts x 16, only denoising step 0 trained."),
-         Ablation("cost", "mini_step0", {}, [{"advantage": "gain", **ddim}, {"advantage": "gain_trained", **ddim},
-                                             {"advantage": "gain", "loop.adaptive_substeps": "true", **ddim},
+         Ablation("cost", "mini_step0", {}, [{"advantage": "gain", **ddim}, {"advantage": "gain", **over_all, **ddim},
+                                             {"advantage": "gain", **over_all, "loop.adaptive_substeps": "true", **ddim},
+                                             {"advantage": "gain", **over_all, "sampler": "flow_sde"},
                                              {"advantage": "uniform", **ddim}],
-                  "doing only the work the credit uses (step 0 trained, DDIM SDE)",
-                  "Gains normalised over the trained step only, which estimate and score just X_0 and X_1 and stop "
-                  "the rollout after X_1 (advantage=gain_trained), and adaptive substeps ceil(T' t), against gains "
-                  "over every step and uniform credit, per iteration and per second (the gain and uniform arms are "
-                  "method_sampler's runs).")],
+                  "doing only the work the credit uses (step 0 trained)",
+                  "The default recipe normalises step 0's gains over the trained step only, so it estimates and "
+                  "scores just X_0 and X_1 and stops the rollout after X_1; against gains normalised over every step "
+                  "(advantage.over=all, the paper's Eq. 5, which needs every state: with the DDIM and Flow-GRPO "
+                  "SDEs), the same with adaptive substeps ceil(T' t), and uniform credit; per iteration and per "
+                  "second (the default gain and uniform arms are method_sampler's runs).")],
         [0, 1, 2], sweep_dir="outputs/ablations/step0",
         description="Step-0 suite: method x SDE and the work reductions on the default recipe of "
                     "`python -m stepflow.train` (conf/experiment/mini_step0.yaml), 3 seeds per arm.")
-    every = {"train.train_steps": "null"}
+    every = {"train.train_steps": "null"}  # every noisy step trained (gains normalised over all steps, Eq. 5)
     allsteps = Suite(
         "allsteps",
         [Ablation("weighting", "mini_step0", {}, [{**every, "train.weighting": w} for w in
@@ -198,7 +200,7 @@ def build_suites() -> dict[str, Suite]:
          Ablation("auto", "mini_step0", {}, [{"train.train_steps": "auto"}],
                   "train.train_steps=auto",
                   "Every noisy step measured, weighted by its online gradient signal fraction (no step named).")],
-        [0, 1, 2], common=["window.size=3", "window.every=10"], sweep_dir="outputs/ablations/allsteps",
+        [0, 1, 2], common=["window.size=3", "window.every=10", "advantage.over=all"], sweep_dir="outputs/ablations/allsteps",
         description="Every-step suite: credit for every step on the default recipe (conf/experiment/mini_step0.yaml), "
                     "weightings, SDE windows and automatic step weighting, 3 seeds per arm.")
     return {s.name: s for s in (full, quick, paper, step0, allsteps)}

@@ -222,7 +222,9 @@ class AdvantageConfig:
     same_latent: None (``loop.same_latent``) | the value this scheme needs (``distill``: False, its diversity
               comes from the initial noise).
     over:     ``all`` (the gains of every step enter the normalisation, Eq. 5) | ``trained`` (only the trained
-              steps' gains, normalised jointly over them; ``gain`` / ``gain_per_step`` only). With ``trained`` the
+              steps' gains, normalised jointly over them; it applies to ``gain`` and ``gain_per_step``, the schemes
+              that read every step's gain (gae, gain_ema, distill) keep ``all``, see :attr:`effective_over`). With
+              ``trained`` the
               advantages of the trained steps depend only on the states around them, so the loop estimates and
               scores only those and stops the rollout after the last one (:meth:`AdvantageEstimator.states_needed`).
     """
@@ -248,9 +250,6 @@ class AdvantageConfig:
             raise ValueError(f"norm: must be one of {NORMS}, got {self.norm!r}")
         if self.over not in ("all", "trained"):
             raise ValueError(f"over: must be all or trained, got {self.over!r}")
-        if self.over == "trained" and self.scheme not in ("gain", "gain_per_step"):
-            raise ValueError(f"over: trained needs scheme gain or gain_per_step (a {self.scheme} advantage reads "
-                             "every step's gain); use over=all")
         if self.rollout_sampler not in (None, *SAMPLERS):
             raise ValueError(f"rollout_sampler: must be null or one of {SAMPLERS}, got {self.rollout_sampler!r}")
         if not (isinstance(self.eps, (int, float)) and self.eps >= 0):
@@ -263,6 +262,11 @@ class AdvantageConfig:
             raise ValueError(f"gamma: must be a float in [0, 1], got {self.gamma!r}")
         if not (isinstance(self.lam, (int, float)) and 0.0 <= self.lam <= 1.0):
             raise ValueError(f"lam: must be a float in [0, 1], got {self.lam!r}")
+
+    @property
+    def effective_over(self) -> str:
+        """``trained`` for gain / gain_per_step with ``over=trained``, else ``all``."""
+        return "trained" if self.over == "trained" and self.scheme in ("gain", "gain_per_step") else "all"
 
     @property
     def effective_norm(self) -> str:
@@ -300,7 +304,7 @@ class AdvantageEstimator:
         credit, all of them for gains normalised over every step, ``{k, k + 1 : k trained}`` with ``over=trained``."""
         if not self.needs_stepwise_rewards:
             return [num_steps]
-        if self.cfg.over == "trained":
+        if self.cfg.effective_over == "trained":
             return sorted({s for k in trained for s in (k, k + 1)})
         return list(range(num_steps + 1))
 
@@ -324,7 +328,7 @@ class AdvantageEstimator:
             raise ValueError("rewards: non-finite values in the columns this scheme reads")
 
         g = None
-        if cfg.over == "trained":  # gains of the trained steps only, normalised jointly over them (or per step)
+        if cfg.effective_over == "trained":  # gains of the trained steps only, normalised jointly over them
             g = torch.zeros(rewards.shape[0], t, dtype=torch.float64)
             ks = sorted(trained or [])
             adv = torch.zeros(rewards.shape[0], t, dtype=torch.float32)
@@ -344,7 +348,8 @@ class AdvantageEstimator:
             adv = self._normalize(src, group_ids)
         raw = adv
         adv = adv.clamp(-cfg.adv_clip, cfg.adv_clip)
-        stats = self._stats(raw, adv, g, rewards, group_ids, sorted(trained or []) if cfg.over == "trained" else None)
+        stats = self._stats(raw, adv, g, rewards, group_ids,
+                            sorted(trained or []) if cfg.effective_over == "trained" else None)
         return AdvantageOut(advantages=adv, gains=None if g is None else g.to(torch.float32), stats=stats)
 
     def _stats(self, raw: Tensor, adv: Tensor, g: Tensor | None, rewards: Tensor, group_ids: Tensor,

@@ -97,6 +97,12 @@ def build_module(cfg: DictConfig, run_dir: Path):
     sampler = to_config(cfg.sampler, SamplerConfig, "sampler")
     advantage = to_config(cfg.advantage, AdvantageConfig, "advantage")
     window = to_config(cfg.window, WindowConfig, "window")
+    if advantage.over == "trained" and advantage.effective_over == "all" and advantage.scheme != "uniform":
+        import logging
+
+        logging.getLogger("stepflow.train").warning(
+            "advantage.over=trained does not apply to advantage=%s (it reads every step's gain): its gains are "
+            "normalised over all steps", advantage.scheme)
     if advantage.rollout_sampler is not None:  # the scheme's own rollout sampler (distill: ode), stated in its config
         sampler = SamplerConfig(name=advantage.rollout_sampler)
     same_latent = loop.same_latent if advantage.same_latent is None else advantage.same_latent

@@ -103,10 +103,13 @@ def test_every_planned_arm_composes(suite, tmp_path):
 
 
 def test_step0_suite_plans_the_default_recipe(tmp_path):
-    """--suite step0: method x SDE x 3 seeds on mini_step0, which is the no-argument default recipe (step 0 trained)."""
+    """--suite step0: method x SDE x 3 seeds on mini_step0, which is the no-argument default recipe (step 0 trained),
+    and the cost ablation, whose default gain and uniform arms are method_sampler's runs (linked, not rerun)."""
     s = ablations.build_suites()["step0"]
     jobs = ablations.plan(s, tmp_path, check_config=True)
-    assert len(jobs) == 4 * 3 and {j.status for j in jobs} == {"missing"}
+    assert len(jobs) == (4 + 5) * 3
+    assert sorted(j.status for j in jobs) == ["missing"] * 21 + ["shared"] * 6
+    assert [ablations.arm_label(x) for x in s.ablations[1].arms()][1] == "advantage.over=all,advantage=gain,sampler=ddim_sde"
     assert [ablations.arm_label(x) for x in s.ablations[0].arms()] == [
         "advantage=uniform,sampler=flow_sde", "advantage=uniform,sampler=ddim_sde",
         "advantage=gain,sampler=flow_sde", "advantage=gain,sampler=ddim_sde"]

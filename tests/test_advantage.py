@@ -269,5 +269,6 @@ def test_over_trained_normalises_the_trained_steps_jointly_and_reads_only_their_
     per = AdvantageEstimator(AdvantageConfig(scheme="gain_per_step"))(r, gid, 5).advantages
     torch.testing.assert_close(one[:, 2], per[:, 2])
     assert float(one[:, [0, 1, 3, 4]].abs().max()) == 0.0
-    with pytest.raises(ValueError, match="over: trained needs scheme gain"):
-        AdvantageConfig(scheme="gae", over="trained")
+    # schemes that read every step's gain keep the normalisation over all steps
+    gae_cfg = AdvantageConfig(scheme="gae", over="trained")
+    assert gae_cfg.effective_over == "all" and AdvantageEstimator(gae_cfg).states_needed([1], 5) == list(range(6))
