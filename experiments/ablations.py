@@ -278,10 +278,11 @@ def planned_config(experiment: str, overrides: Sequence[str]) -> dict[str, Any]:
 
 
 def config_mismatch(stored: dict[str, Any], planned: dict[str, Any]) -> list[str]:
-    """Keys present in both configs whose values differ (``seed``, ``loop.seed`` and ``ckpt_path`` ignored). Keys
-    only one side has (a default added to train.yaml later) do not count."""
+    """Keys present in both configs whose values differ (``seed``, ``loop.seed`` and :data:`IGNORED_KEYS` ignored).
+    Keys only one side has (a default added to train.yaml later) do not count."""
     a, b = report.flatten(stored), report.flatten(planned)
-    return sorted(k for k in a.keys() & b.keys() if k not in report.SEED_KEYS and _norm(a[k]) != _norm(b[k]))
+    return sorted(k for k in a.keys() & b.keys()
+                  if k not in report.SEED_KEYS and k not in IGNORED_KEYS and _norm(a[k]) != _norm(b[k]))
 
 
 def _norm(v: Any) -> Any:
@@ -292,6 +293,13 @@ def _norm(v: Any) -> Any:
     if isinstance(v, (int, float)):
         return float(v)
     return v
+
+
+#: keys that do not make two runs different: names, the resume path, and settings that change only how fast the same
+#: numbers are computed (chunk sizes of the batched estimates and decodes, overlapped reward calls, compilation,
+#: CPU threads; tests/test_train_loop.py checks the chunk sizes and the overlap give the same iteration)
+IGNORED_KEYS = ("experiment_name", "ckpt_path", "loop.estimate_chunk", "loop.decode_chunk", "loop.overlap_reward",
+                "loop.overlap_chunks", "loop.compile", "torch_threads")
 
 
 def job_status(run_dir: Path, planned: dict[str, Any] | None = None) -> tuple[str, str]:
@@ -322,8 +330,8 @@ def job_status(run_dir: Path, planned: dict[str, Any] | None = None) -> tuple[st
 
 
 def run_signature(planned: dict[str, Any]) -> str:
-    """What makes two runs identical: the resolved config without ``experiment_name`` (and ``ckpt_path``)."""
-    flat = {k: _norm(v) for k, v in report.flatten(planned).items() if k not in ("experiment_name", "ckpt_path")}
+    """What makes two runs identical: the resolved config without :data:`IGNORED_KEYS`."""
+    flat = {k: _norm(v) for k, v in report.flatten(planned).items() if k not in IGNORED_KEYS}
     return json.dumps(flat, sort_keys=True, default=str)
 
 

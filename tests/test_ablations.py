@@ -439,3 +439,14 @@ def test_identical_runs_of_different_ablations_are_shared(tmp_path):
     assert [j.status for j in jobs2 if j.run_dir == canon.run_dir] == ["finished"]
     runs = report.find_runs(tmp_path)
     assert sorted(r.ablation for r in runs) == ["credit", "method_sampler", "normalization", "substeps"]
+
+
+def test_settings_that_only_change_speed_do_not_make_a_run_stale():
+    """A run is the same run whatever its chunk sizes, reward overlap, compilation or CPU threads (the iteration's
+    numbers do not depend on them: tests/test_train_loop.py)."""
+    a = {"loop": {"estimate_chunk": None, "decode_chunk": None, "overlap_reward": False, "substeps": 2},
+         "torch_threads": 1}
+    b = {"loop": {"estimate_chunk": 64, "decode_chunk": 16, "overlap_reward": True, "substeps": 2}, "torch_threads": 4}
+    assert ablations.config_mismatch(a, b) == []
+    b["loop"]["substeps"] = 5
+    assert ablations.config_mismatch(a, b) == ["loop.substeps"]
