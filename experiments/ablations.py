@@ -296,8 +296,8 @@ def _norm(v: Any) -> Any:
 
 
 #: keys that do not make two runs different: names, the resume path, and settings that change only how fast the same
-#: numbers are computed (chunk sizes of the batched estimates and decodes, overlapped reward calls, compilation,
-#: CPU threads; tests/test_train_loop.py checks the chunk sizes and the overlap give the same iteration)
+#: numbers are computed, up to float rounding (chunk sizes of the batched estimates and decodes, overlapped reward
+#: calls, compilation, CPU threads; tests/test_train_loop.py checks the chunk sizes and the overlap)
 IGNORED_KEYS = ("experiment_name", "ckpt_path", "loop.estimate_chunk", "loop.decode_chunk", "loop.overlap_reward",
                 "loop.overlap_chunks", "loop.compile", "torch_threads")
 

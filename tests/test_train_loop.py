@@ -314,7 +314,8 @@ def test_compiled_transformer_gives_the_eager_velocity_and_trains(tmp_path):
 
 
 def test_estimate_chunks_give_the_same_estimates(tmp_path):
-    """loop.estimate_chunk only bounds the states per model call: the estimates are the same to the bit."""
+    """loop.estimate_chunk only bounds the states per model call: the estimates agree to float rounding (the
+    batched kernels' summation order; on the shipped shapes model chunks of 16, 64 and 160 were bit-identical)."""
     from stepflow.rollout import estimate_states, rollout
     from stepflow.train import build_module
 
@@ -323,4 +324,4 @@ def test_estimate_chunks_give_the_same_estimates(tmp_path):
     traj = rollout(lr.policy, lr.plan.plan(0), lr.sampler, 4, 1.0)
     full = estimate_states(lr.policy, traj, 2, 1.0)
     for chunk in (3, 7):
-        assert torch.equal(estimate_states(lr.policy, traj, 2, 1.0, chunk_size=chunk), full)
+        torch.testing.assert_close(estimate_states(lr.policy, traj, 2, 1.0, chunk_size=chunk), full, atol=1e-5, rtol=0)
