@@ -47,7 +47,9 @@ class LoopConfig:
     guidance: float | None = None  #: CFG scale of rollout and update (1 = off; None = the model's ``guidance``, else 1)
     same_latent: bool = True  #: share the initial noise x_T within a group (docs/method.md §4)
     substeps: int = 2  #: T′, Euler substeps of the x̂0 estimate (1 = Tweedie; the paper: 5)
-    adaptive_substeps: bool = False  #: ceil(T′·t) substeps per state
+    #: ceil(T′·t) substeps per state (about the same substep size everywhere; 3 seeds of the miniature: 0.461 vs
+    #: 0.444 held-out GenEval with T′ fixed, at 0.6x its cost); the paper's fixed T′: false (paper_base, mini_base)
+    adaptive_substeps: bool = True
     estimate_chunk: int | None = None  #: max states per estimate call (memory)
     decode_chunk: int | None = None  #: max latents per VAE decode call
     seed: int = 0  #: seed of the prompt plan and every noise draw
