@@ -15,8 +15,12 @@ Settings (CPU, one torch thread):
 
 - ``shapes_default``: the no-argument default recipe (shapes, step 0 trained, T′ = 2, 4 prompts × 16);
 - ``shapes_paper``: the paper's settings on the embedded world (T′ = 5, steps 0–8 trained, β_KL 0.04, flow_sde);
+- ``shapes_paper_adaptive``: the paper's settings with adaptive substeps ceil(T′·t);
 - ``sd3_default`` / ``sd3_paper``: the same on the tiny SD3 pipeline (64 px, 16-channel VAE) with PickScore's
-  formula on a tiny random CLIP (``reward=pickscore_tiny``); the default adds the first-step guard so step 0 is noisy.
+  formula on a tiny random CLIP (``reward=pickscore_tiny``); the default recipe there: step 0 trained (with the
+  first-step guard so it is noisy) and its gains normalised over it (``advantage.over=trained``), as for shapes;
+- ``sd3_paper_tiny_decoder``: the paper's settings with the x̂0 estimates decoded by a tiny AutoencoderTiny
+  (``model.estimate_vae``; random weights here: the timing is what it measures).
 
 Prints a markdown table (pasted into docs/results.md) and writes JSON with every iteration's numbers.
 """
@@ -37,9 +41,16 @@ SETTINGS = {
     "shapes_default": [],
     "shapes_paper": ["loop.substeps=5", "train.train_steps=null", "train.timestep_fraction=0.99", "train.beta_kl=0.04",
                      "train.kl_mode=flow_grpo_parity", "sampler=flow_sde"],
-    "sd3_default": ["model=sd3_tiny", "reward=pickscore_tiny", "sampler.first_step_guard=true", "train.train_steps=[0]"],
+    "shapes_paper_adaptive": ["loop.substeps=5", "train.train_steps=null", "train.timestep_fraction=0.99",
+                              "train.beta_kl=0.04", "train.kl_mode=flow_grpo_parity", "sampler=flow_sde",
+                              "loop.adaptive_substeps=true"],
+    "sd3_default": ["model=sd3_tiny", "reward=pickscore_tiny", "sampler.first_step_guard=true", "train.train_steps=[0]",
+                    "advantage.over=trained"],
     "sd3_paper": ["model=sd3_tiny", "reward=pickscore_tiny", "loop.substeps=5", "train.timestep_fraction=0.99",
                   "train.beta_kl=0.04", "train.kl_mode=flow_grpo_parity", "sampler=flow_sde"],
+    "sd3_paper_tiny_decoder": ["model=sd3_tiny", "reward=pickscore_tiny", "loop.substeps=5", "train.timestep_fraction=0.99",
+                               "train.beta_kl=0.04", "train.kl_mode=flow_grpo_parity", "sampler=flow_sde",
+                               "+model.estimate_vae={taesd}"],
 }
 PHASES = ("rollout", "estimate", "reward", "advantage", "update")
 
@@ -143,6 +154,15 @@ def table(results: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def _resolve(overrides: list[str]) -> list[str]:
+    """Fill ``{taesd}`` with the cached tiny AutoencoderTiny."""
+    if not any("{taesd}" in o for o in overrides):
+        return list(overrides)
+    from stepflow.policies.tiny import tiny_taesd_dir
+
+    return [o.replace("{taesd}", str(tiny_taesd_dir())) for o in overrides]
+
+
 @contextmanager
 def _quiet():
     import logging
@@ -156,7 +176,7 @@ def _quiet():
 
 def main(argv=None) -> list[dict]:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--settings", default="shapes_default,shapes_paper,sd3_default,sd3_paper")
+    ap.add_argument("--settings", default=",".join(SETTINGS))
     ap.add_argument("--iters", type=int, default=6, help="measured iterations per scheme")
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--threads", type=int, default=1)
@@ -175,14 +195,15 @@ def main(argv=None) -> list[dict]:
         key, _, vals = args.compare.partition("=")
         with _quiet():
             for name in [x.strip() for x in args.settings.split(",") if x.strip()]:
-                print(compare(name, SETTINGS[name] + args.overrides, key, vals.split(","), args.iters, args.warmup,
+                print(compare(name, _resolve(SETTINGS[name]) + args.overrides, key, vals.split(","), args.iters, args.warmup,
                               Path(args.run_dir)), flush=True)
         return results
     with _quiet():
         for name in [s.strip() for s in args.settings.split(",") if s.strip()]:
             if name not in SETTINGS:
                 ap.error(f"--settings: unknown setting {name!r}; choose from {', '.join(SETTINGS)}")
-            results.append(bench(name, SETTINGS[name] + args.overrides, args.iters, args.warmup, Path(args.run_dir)))
+            results.append(bench(name, _resolve(SETTINGS[name]) + args.overrides, args.iters, args.warmup,
+                                 Path(args.run_dir)))
             print(table(results[-1:]), flush=True)
     print(table(results))
     if args.json:
