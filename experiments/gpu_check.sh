@@ -68,7 +68,7 @@ START=$SECONDS
 DEADLINE=$((START + TOTAL))
 say() { echo "$@" | tee -a "$LOG"; }
 
-if ! "$PY" -c "import diffusers, peft, omegaconf, hydra" 2>/dev/null; then
+if ! "$PY" -c "import diffusers, peft, omegaconf, hydra, deepspeed" 2>/dev/null; then
   if compgen -G ".whl/*.whl" >/dev/null; then
     "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
       2>&1 | tail -3 | tee -a "$LOG"
@@ -81,11 +81,14 @@ fi
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 WANDB_MODE=offline TOKENIZERS_PARALLELISM=false
 [ "$TINY" = 1 ] && export DS_ACCELERATOR=cpu || export DS_ACCELERATOR=cuda
 
+# the limit a part of TIMEOUT seconds gets: capped by what is left of the total
+limit_for() { local left=$((DEADLINE - SECONDS - 5)); echo $(($1 < left ? $1 : left)); }
+
 # part NAME TIMEOUT CMD...: run CMD with min(TIMEOUT, time left - 5 s), its output appended to the log
 part() {
   local name=$1 limit=$2; shift 2
   local left=$((DEADLINE - SECONDS - 5))
-  [ "$limit" -gt "$left" ] && limit=$left
+  limit=$(limit_for "$limit")
   if [ "$limit" -lt 20 ]; then
     say "== [$name] skipped: ${left}s left of GPU_CHECK_TOTAL_S=$TOTAL"
     printf '%s\tskipped\t0\t%s\n' "$name" "$limit" >>"$OUT/parts.tmp"
@@ -180,10 +183,11 @@ for p in $PARTS; do
         --json "$OUT/sd35m.json" ;;
     strat_lora)
       strategies lora 90 ;;
-    big)
-      part big 330 "$PY" experiments/gpu_check.py \
+    big)  # no new model after (limit - 80) s: the largest run takes ~50-70 s
+      lim=$(limit_for 330)
+      part big "$lim" "$PY" experiments/gpu_check.py \
         --runs sd35_large:lora,flux_dev:lora,qwen_image:lora,sd35_large:full,flux_dev:full,qwen_image:full \
-        --advantages gain --iters 1 --steps "$([ "$TINY" = 1 ] && echo 2 || echo 6)" --time-limit 240 "${GC_DEV[@]}" \
+        --advantages gain --iters 1 --steps "$([ "$TINY" = 1 ] && echo 2 || echo 6)" --time-limit $((lim > 100 ? lim - 80 : 20)) "${GC_DEV[@]}" \
         --json "$OUT/big.json" ;;
     strat_full)
       strategies full 120 ;;

@@ -433,6 +433,8 @@ def memory_estimate(counts: Mapping[str, int], finetune: str, strategy: str = "d
     - weights N·b (fp32 VAE: 4 bytes per VAE weight), gradients n·b, AdamW's two moments 2n·b (torch keeps them in
       the parameters' dtype), the EMA's shadow n·b (``ema.enabled``), the reference policy's frozen copy N·b
       (full fine-tuning with β > 0; LoRA's reference is the adapter switched off);
+    - the optimizer step's temporary: torch's foreach AdamW allocates one more copy of the second moment's square
+      root (n·b, of the shard it steps);
     - ``ddp``: all of that on every GPU, plus DDP's gradient buckets n·b;
     - ``fsdp`` (FULL_SHARD with a wrap per transformer block): weights, gradients and moments divided by ``world``;
       the EMA shadow and the reference copy are made before the strategy wraps the model, so they stay whole;
@@ -445,11 +447,13 @@ def memory_estimate(counts: Mapping[str, int], finetune: str, strategy: str = "d
     w = max(1, int(world))
     parts = {"weights": N * bytes_per, "vae": V * 4.0}
     if strategy == "ddp":
-        parts.update(grads=n * bytes_per, buckets=n * bytes_per, adam=2 * n * bytes_per)
+        parts.update(grads=n * bytes_per, buckets=n * bytes_per, adam=2 * n * bytes_per, adam_step=n * bytes_per)
     elif strategy == "fsdp":
-        parts.update(weights=N * bytes_per / w, grads=n * bytes_per / w, adam=2 * n * bytes_per / w)
+        parts.update(weights=N * bytes_per / w, grads=n * bytes_per / w, adam=2 * n * bytes_per / w,
+                     adam_step=n * bytes_per / w)
     elif strategy == "deepspeed_stage_2":
-        parts.update(grads=4.0 * n / w + min(n, 2e8) * bytes_per, master=4.0 * n / w, adam=8.0 * n / w)
+        parts.update(grads=4.0 * n / w + min(n, 2e8) * bytes_per, master=4.0 * n / w, adam=8.0 * n / w,
+                     adam_step=4.0 * n / w)
     else:
         raise ValueError(f"strategy: one of {', '.join(STRATEGIES)}, got {strategy!r}")
     if ema:
