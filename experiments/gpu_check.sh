@@ -25,7 +25,7 @@
 # The CUDA image has torch, lightning, peft, transformers, accelerate, einops, msgpack, ninja, psutil, py-cpuinfo but
 # not diffusers, hydra-core, omegaconf, antlr4, deepspeed (+ hjson, pydantic). --fetch-wheels downloads those as
 # wheels for CPython 3.12 (antlr4 4.9.3 and deepspeed come as sources only: built here into pure-Python wheels,
-# deepspeed with DS_BUILD_OPS=0 DS_ACCELERATOR=cuda) into .whl/ (ignored by git, ~20 MB); carry them to the device
+# deepspeed with DS_BUILD_OPS=0 DS_ACCELERATOR=cuda) into .whl/ (ignored by git, 12 MB); carry them to the device
 # machine (device tool: carry [".whl"]). This script installs them with --no-deps into /tmp/site and puts that first
 # on PYTHONPATH. Outputs under $OUT (at most 8 files come back): gpu_check.log (everything printed), sd35m.json and
 # big.json (gpu_check.py's results), strategies.tsv (per CLI run: seconds per phase from metrics.csv, peak memory from
@@ -68,14 +68,17 @@ START=$SECONDS
 DEADLINE=$((START + TOTAL))
 say() { echo "$@" | tee -a "$LOG"; }
 
-if ! "$PY" -c "import diffusers, peft, omegaconf, hydra, deepspeed" 2>/dev/null; then
+CORE="import diffusers, peft, omegaconf, hydra"
+if ! "$PY" -c "$CORE$([ "$TINY" = 1 ] || echo ', deepspeed')" 2>/dev/null; then
   if compgen -G ".whl/*.whl" >/dev/null; then
     "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
       2>&1 | tail -3 | tee -a "$LOG"
     export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
-  else
+  elif ! "$PY" -c "$CORE" 2>/dev/null; then
     say "gpu_check.sh: diffusers/peft/omegaconf/hydra not importable and no wheels in .whl/ (see the header of this script)"
     exit 2
+  else
+    say "gpu_check.sh: deepspeed is not importable and there are no wheels in .whl/: the deepspeed_stage_2 runs will fail"
   fi
 fi
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 WANDB_MODE=offline TOKENIZERS_PARALLELISM=false

@@ -130,6 +130,20 @@ def test_tiny_random_builder_is_its_familys_architecture(model):
     assert sum(p.numel() for p in pol.lora_parameters()) > 0
 
 
+def test_tiny_builds_in_bf16_as_on_the_gpu():
+    """The GPU path's dtypes: the transformer (and its buffers) constructed in bf16, the VAE fp32, a finite
+    bf16 forward with CFG, for every family."""
+    for model in rf.MODELS:
+        pol = rf.random_policy(model, tiny=True, device="cpu", dtype="bfloat16")
+        assert {p.dtype for p in pol.transformer.parameters()} == {torch.bfloat16}
+        assert {b.dtype for b in pol.transformer.buffers()} <= {torch.bfloat16}
+        assert {p.dtype for p in pol.vae.parameters()} == {torch.float32}
+        c = pol.encode(["a cat", "two red dogs"])
+        assert c.tokens.dtype == torch.bfloat16
+        v = pol.velocity(torch.randn(2, *pol.latent_shape), 0.5, c, guidance=4.0)
+        assert v.dtype == torch.float32 and bool(torch.isfinite(v).all()), model
+
+
 @pytest.mark.parametrize("model", rf.MODELS)
 def test_full_size_builds_on_the_meta_device_at_the_published_size(model):
     """The published architectures, built by the same builder without memory: size, latent, text shapes, LoRA."""
