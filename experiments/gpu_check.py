@@ -211,7 +211,8 @@ def run_one(model: str, finetune: str, args, device: torch.device, dtype: torch.
         run.update(transformer_params=n_tr, trained_params=n_train, build_s=build_s, model_gib=model_gib,
                    vae_params=sum(p.numel() for p in policy.vae.parameters()), latent_shape=list(policy.latent_shape),
                    policy=type(policy).__name__, transformer_class=type(policy.transformer).__name__, lr=lr)
-        print(f"== {model} {finetune}: {type(policy.transformer).__name__} {n_tr / 1e9:.3f} B params ({dtype_name}), "
+        size = f"{n_tr / 1e9:.3f} B" if n_tr >= 1e8 else f"{n_tr / 1e6:.3f} M"
+        print(f"== {model} {finetune}: {type(policy.transformer).__name__} {size} params ({dtype_name}), "
               f"trained {n_train / 1e6:.2f} M ({finetune}, lr {lr:g}{', EMA' if ema else ''}), VAE "
               f"{run['vae_params'] / 1e6:.1f} M (fp32), latent {policy.latent_shape}, built in {build_s:.1f} s"
               + (f", {model_gib:.1f} GiB allocated before the first iteration" if model_gib is not None else ""),
