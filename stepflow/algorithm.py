@@ -446,4 +446,5 @@ def iteration_metrics(res: IterationResult, world: int) -> dict[str, float]:
               # a backward costs about two forwards: forward-equivalent NFEs of the iteration
               "cost/nfe_backward": sum(res.phases.nfe_grad.values()) * world,
               "cost/nfe_fwd_equiv": (sum(n.values()) + 2 * sum(res.phases.nfe_grad.values())) * world})
+    m.update({f"mem/peak_gib_{p}": v for p, v in res.phases.peak_gib.items()})  # CUDA only
     return m

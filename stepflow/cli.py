@@ -89,7 +89,8 @@ def check_keys(argv: list[str], config_name: str, conf_dir: Path = CONF_DIR) -> 
     from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
 
-    overrides = [a for a in argv if not a.startswith("-") and "=" in a and not a.lstrip("+~").startswith("hydra")]
+    overrides = [a for a in argv if not a.startswith("-") and ("=" in a or a.startswith("~"))
+                 and not a.lstrip("+~").startswith("hydra")]
     if any("," in a.partition("=")[2] and not a.partition("=")[2].startswith("[") for a in overrides):
         return  # a sweep: Hydra validates each job
     GlobalHydra.instance().clear()
