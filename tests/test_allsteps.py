@@ -188,3 +188,22 @@ def test_auto_train_steps_log_and_checkpoint_the_signal(tmp_path, monkeypatch):
     module2 = run(compose_config("train", [*args, "loop.iterations=3",
                                            f"ckpt_path={tmp_path / 'checkpoints' / 'last.ckpt'}"]), tmp_path)
     assert module2.learner.signal.measurements == 3  # restored 2, measured once more
+
+
+def test_mini_allsteps_is_the_default_recipe_trained_at_every_step():
+    """experiment=mini_allsteps = mini_step0 (the no-argument default recipe) with every noisy step trained, gains
+    normalised over every step and the guard weighting; nothing else differs."""
+    from omegaconf import OmegaConf
+
+    def flat(cfg, prefix=""):
+        out = {}
+        for k, v in cfg.items():
+            out.update(flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
+        return out
+
+    a = flat(OmegaConf.to_container(compose_config("train", ["experiment=mini_allsteps"]), resolve=True))
+    b = flat(OmegaConf.to_container(compose_config("train", ["experiment=mini_step0"]), resolve=True))
+    diff = {k for k in a.keys() | b.keys() if a.get(k) != b.get(k)}
+    assert diff == {"experiment_name", "train.train_steps", "train.weighting", "advantage.over"}, diff
+    assert a["train.train_steps"] is None and a["train.weighting"] == "guard" and a["advantage.over"] == "all"
+    assert b["train.train_steps"] == [0] and b["advantage.over"] == "trained"

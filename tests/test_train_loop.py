@@ -239,7 +239,9 @@ def test_gain_trained_does_only_the_work_its_credit_uses(tmp_path, monkeypatch):
     from stepflow.train import build_module
 
     monkeypatch.setenv("STEPFLOW_CACHE", str(tmp_path / "cache"))  # reward=pickscore_tiny: scores with variance
-    common = ["train.train_steps=[1]", "sampler=flow_sde", "loop.final_reward_every=0", "reward=pickscore_tiny"]
+    # T' fixed (loop.adaptive_substeps=false) so that the estimate's NFEs below are the plain T' = 2 count
+    common = ["train.train_steps=[1]", "sampler=flow_sde", "loop.final_reward_every=0", "reward=pickscore_tiny",
+              "loop.adaptive_substeps=false"]
     cut = build_module(make_cfg("advantage=gain_trained", *common), tmp_path / "cut")
     full = build_module(make_cfg("advantage=gain_per_step", *common), tmp_path / "full")
     for m in (cut, full):
