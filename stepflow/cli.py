@@ -83,6 +83,26 @@ def check_group_overrides(argv: list[str], conf_dir: Path = CONF_DIR) -> None:
                 fail(f"{key}={v}: unknown option for '{key}'; choose one of: {', '.join(options)}")
 
 
+def check_grammar(argv: list[str]) -> None:
+    """Parse every override, ``hydra.*`` ones included, with Hydra's own override parser, so that a value Hydra's
+    grammar cannot read (``hydra.run.dir=/a=b``: quote it, ``hydra.run.dir="'/a=b'"``) is one line, not Hydra's
+    several."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    parser = OverridesParser.create()
+    valued = {"-c", "--cfg", "-p", "--package", "-cp", "--config-path", "-cn", "--config-name", "-cd", "--config-dir",
+              "-i", "--info", "--experimental-rerun"}
+    for prev, arg in zip(["", *argv], argv):
+        if arg.startswith("-") or prev in valued:
+            continue
+        try:
+            parser.parse_overrides([arg])
+        except Exception as e:  # noqa: BLE001 - OverrideParseException and friends, reported as one line
+            key = arg.partition("=")[0]
+            fail(f"{key}: cannot read the override {arg!r} ({' '.join(str(e).split()).split(' See https')[0]}); quote a value that "
+                 f"holds '=', ',' or brackets: {key}=\"'...'\"")
+
+
 def check_keys(argv: list[str], config_name: str, conf_dir: Path = CONF_DIR) -> None:
     """Compose the config once with the command line's plain overrides, so that what the structured configs reject
     (an unknown key, a value of the wrong type) is reported as one line instead of Hydra's multi-line message."""
@@ -147,10 +167,16 @@ def entry_point(config_name: str) -> Callable:
 
         def cli() -> None:
             argv = sys.argv[1:]
+            check_grammar(argv)
             check_group_overrides(argv)
             if "-m" not in argv and "--multirun" not in argv and not any(a.startswith("--") for a in argv):
                 check_keys(argv, config_name)
-            hydra_main()
+            try:
+                hydra_main()
+            except Exception as e:  # noqa: BLE001 - Hydra's own argument errors, outside the task
+                if debugging():
+                    raise
+                fail(" ".join(str(e).split()) or type(e).__name__)
 
         cli.task = task  # type: ignore[attr-defined]
         return cli

@@ -328,3 +328,18 @@ def test_ckpt_path_auto_resumes_a_requeued_run_and_starts_a_fresh_one(tmp_path):
     assert module.iteration == 1  # nothing to resume: a fresh start
     module = run(compose_config("train", ["experiment=smoke", "loop.iterations=2", "ckpt_path=auto"]), tmp_path)
     assert module.iteration == 2 and len(_train_rows(tmp_path)) == 2  # resumed from its own last.ckpt
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["hydra.run.dir=/tmp/a=b,c=d"], "hydra.run.dir"),  # Hydra's grammar: '=' in a value needs quotes
+    (["train.lr=[1"], "train.lr"),
+    (["--multirun", "--cfg", "job"], "Only one of"),  # Hydra's own argument check, outside the task
+])
+def test_overrides_hydra_cannot_read_are_one_line(tmp_path, args, needle):
+    _one_line_error(run_cli("stepflow.train", "experiment=smoke", *args), needle)
+
+
+def test_a_quoted_run_dir_with_equals_signs_is_read(tmp_path):
+    d = tmp_path / "seed=1,train.weighting=guard"
+    r = run_cli("stepflow.train", "experiment=smoke", f"hydra.run.dir='{d}'", "--cfg", "job")
+    assert r.returncode == 0, r.stderr
