@@ -28,7 +28,9 @@ improvement (``--target-frac 0.5``), so that every ablation gets a target in its
 
 Writes ``<out>/report.md`` (default ``<sweep dir>/report``), ``<out>/summary.json`` and per ablation
 ``<ablation>_iteration.png`` (held-out and training reward vs iteration), ``<ablation>_nfe.png`` (vs cumulative
-NFEs) and ``<ablation>_wallclock.png`` (vs cumulative training seconds, the paper's Fig. 5).
+NFEs) and ``<ablation>_wallclock.png`` (vs cumulative training seconds, the paper's Fig. 5); where runs log per-step
+weights (``train/weight_step{k}``: ``train.train_steps=auto``), ``<ablation>_step_weights.png`` (each step's weight
+vs iteration, stacked, mean over seeds).
 """
 
 from __future__ import annotations
@@ -464,6 +466,39 @@ def _shown(p: Path) -> str:
         return str(p)
 
 
+def step_weight_curves(runs: Sequence[Run]) -> tuple[list[int], list[float], list[list[float]]]:
+    """The logged steps ``k`` of ``train/weight_step{k}``, the iterations, and per step its weight at each iteration
+    averaged over the runs that logged it there (0 where none did)."""
+    steps = sorted({int(k.rsplit("step", 1)[1]) for r in runs for row in r.rows for k in row
+                    if k.startswith("train/weight_step")})
+    curves = [_curve(runs, f"train/weight_step{k}") for k in steps]
+    its = sorted(set().union(*(c[0] for c in curves))) if curves else []
+    return steps, its, [[dict(zip(c[0], c[1])).get(it, 0.0) for it in its] for c in curves]
+
+
+def plot_step_weights(name: str, arms: Sequence[Arm], out_dir: Path) -> Path | None:
+    """For the arms whose runs log per-step weights (``train/weight_step{k}``, e.g. ``train.train_steps=auto``): one
+    panel per arm, each step's weight vs iteration, stacked (mean over seeds at each iteration), so the steps the
+    weighting chose and when are visible. None when no arm logs them."""
+    logged = [(arm, *step_weight_curves(arm.runs)) for arm in arms]
+    logged = [x for x in logged if x[1]]
+    if not logged:
+        return None
+    fig, axs = plt.subplots(1, len(logged), figsize=(5.5 * len(logged), 3.6), squeeze=False)
+    for ax, (arm, steps, its, ys) in zip(axs[0], logged):
+        ax.stackplot(its, ys, labels=[f"step {k}" for k in steps], colors=[f"C{k % 10}" for k in steps], alpha=0.85)
+        ax.set(title=f"{arm.label} (n={len(arm.runs)})", xlabel="iteration", ylabel="step weight (mean over seeds)",
+               ylim=(0, 1.02))
+        ax.grid(alpha=0.3)
+    axs[0][-1].legend(fontsize=7, loc="center left", bbox_to_anchor=(1.0, 0.5))
+    fig.suptitle(f"{name}: per-step loss weights over training", fontsize=10)
+    fig.tight_layout()
+    path = out_dir / f"{_safe(name)}_step_weights.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def build_report(root: str | Path, out_dir: str | Path | None = None, metric: str | None = None,
                  target: float | None = None, target_frac: float = 0.5, include_unfinished: bool = False) -> Path:
     """Write ``report.md``, ``summary.json`` and the plots for every ablation under ``root``; returns report.md."""
@@ -531,6 +566,9 @@ def build_report(root: str | Path, out_dir: str | Path | None = None, metric: st
         lines.append("")
         pngs = plot_ablation(name, arms, m, out, title)
         lines += [f"![{name}: reward vs {p.stem.rsplit('_', 1)[-1]}]({p.name})" for p in pngs] + [""]
+        sw = plot_step_weights(name, arms, out)
+        if sw is not None:
+            lines += [f"![{name}: per-step weights]({sw.name})", ""]
     (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
     md = out / "report.md"
     md.write_text("\n".join(lines))

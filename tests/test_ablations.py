@@ -450,3 +450,26 @@ def test_settings_that_only_change_speed_do_not_make_a_run_stale():
     assert ablations.config_mismatch(a, b) == []
     b["loop"]["substeps"] = 5
     assert ablations.config_mismatch(a, b) == ["loop.substeps"]
+
+
+def test_report_plots_the_per_step_weights_of_auto_runs(tmp_path):
+    """Runs that log train/weight_step{k} get a stacked per-step weight plot, averaged over seeds."""
+    abl = tmp_path / "sweep" / "auto"
+    for seed, w0 in enumerate([0.2, 0.6]):
+        d = _write_run(abl / f"advantage=gain,seed={seed}", _cfg("gain", seed), {0: 0.2, 4: 0.5}, 4)
+        with (d / "metrics.csv").open() as fh:
+            rows = list(csv.DictReader(fh))
+        for r in rows:
+            if r.get("train/reward_final"):
+                r["train/weight_step0"], r["train/weight_step2"] = w0 * int(r["iteration"]), 1 - w0 * int(r["iteration"])
+        with (d / "metrics.csv").open("w", newline="") as fh:
+            w = csv.DictWriter(fh, fieldnames=[*rows[0].keys(), "train/weight_step0", "train/weight_step2"])
+            w.writeheader()
+            w.writerows(rows)
+    runs = report.find_runs(tmp_path / "sweep")
+    steps, its, ys = report.step_weight_curves(runs)
+    assert steps == [0, 2] and its == [1, 2, 3, 4]
+    assert ys[0] == pytest.approx([0.4 * i for i in its]) and ys[1] == pytest.approx([1 - 0.4 * i for i in its])
+    md = report.build_report(tmp_path / "sweep")
+    assert (md.parent / "auto_step_weights.png").read_bytes()[:4] == b"\x89PNG" and "(auto_step_weights.png)" in md.read_text()
+    assert report.step_weight_curves([r for r in runs if False]) == ([], [], [])
