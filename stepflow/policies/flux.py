@@ -35,7 +35,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from stepflow.policies.base import LORA_TARGETS_SD3, Cond, TimeInputs, check_time_grid
+from stepflow.policies.base import LORA_TARGETS_SD3, Cond, check_time_grid
 from stepflow.policies.pipeline import PipelinePolicy, load_pipeline, resolve_dtype
 
 __all__ = ["FLUX_DEV", "FLUX_SCHNELL", "LORA_TARGETS_FLUX", "FluxPolicy", "flux_mu", "load_flux_pipeline",
@@ -151,10 +151,7 @@ class FluxPolicy(PipelinePolicy):
             self.embedded_guidance: float | None = float(embedded_guidance)
         else:
             self.embedded_guidance = None
-        self.scheduler = type(pipe.scheduler).from_config(pipe.scheduler.config)  # our own: time_grid mutates it
-        self.timestep_scale = float(self.scheduler.config.get("num_train_timesteps", 1000))
-        self._time_inputs = TimeInputs()
-        self._time_hook = self._time_inputs.install(self.transformer.time_text_embed)
+        self._own_scheduler_and_time_hook(pipe)
         self._setup_training(lora, finetune)
 
     # ------------------------------------------------------------------ loading
@@ -208,14 +205,6 @@ class FluxPolicy(PipelinePolicy):
                                                     num_images_per_prompt=1,
                                                     max_sequence_length=self.max_sequence_length)
         return list(zip(tokens, pooled))
-
-    # ------------------------------------------------------------------ image
-    def _decode_chunk(self, z: Tensor) -> Tensor:
-        """As the pipeline: ``vae.decode(latents / scaling_factor + shift_factor)`` (latents already unpacked)."""
-        cfg = self.vae.config
-        p = self._vae_param()
-        z = z / cfg.scaling_factor + cfg.shift_factor
-        return self.vae.decode(z.to(p.device, p.dtype), return_dict=False)[0]
 
     def extra_repr(self) -> str:
         return (f"name={self.name!r}, latent_shape={self.latent_shape}, embedded_guidance={self.embedded_guidance}, "

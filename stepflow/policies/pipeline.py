@@ -24,7 +24,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from stepflow.policies.base import Cond, FlowPolicy
+from stepflow.cli import StepflowError as _UserError  # the entry points print it (a ValueError) as one line
+from stepflow.policies.base import Cond, FlowPolicy, TimeInputs
 
 __all__ = ["ModelLoadError", "PipelinePolicy", "load_pipeline", "resolve_dtype"]
 
@@ -34,10 +35,6 @@ _DTYPES = {
     "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
 }
 
-try:  # the entry points print StepflowError (a ValueError) as one line
-    from stepflow.cli import StepflowError as _UserError
-except ImportError:  # pragma: no cover - stepflow.cli absent (e.g. a stripped copy on a GPU box)
-    _UserError = ValueError
 
 
 class ModelLoadError(_UserError):
@@ -273,9 +270,21 @@ class PipelinePolicy(FlowPolicy):
         self._neg_cond = None
 
     # ------------------------------------------------------------------ image
-    def _decode_chunk(self, z: Tensor) -> Tensor:  # pragma: no cover - interface
-        """Latents (b, C, H, W) fp32 -> the VAE's images (b, 3, H', W') in [-1, 1]."""
-        raise NotImplementedError
+    def _decode_chunk(self, z: Tensor) -> Tensor:
+        """Latents (b, C, H, W) fp32 -> the VAE's images (b, 3, H', W') in [-1, 1], as SD3's and FLUX's pipelines:
+        ``vae.decode(latents / scaling_factor + shift_factor)`` (Qwen-Image overrides it)."""
+        cfg = self.vae.config
+        p = self._vae_param()
+        z = z / cfg.scaling_factor + cfg.shift_factor
+        return self.vae.decode(z.to(p.device, p.dtype), return_dict=False)[0]
+
+    def _own_scheduler_and_time_hook(self, pipe) -> None:
+        """A scheduler of our own (``time_grid`` mutates it), the timestep scale, and the :class:`TimeInputs`
+        pre-hook on ``transformer.time_text_embed`` that feeds it fp32 times (FLUX.1, Qwen-Image)."""
+        self.scheduler = type(pipe.scheduler).from_config(pipe.scheduler.config)
+        self.timestep_scale = float(self.scheduler.config.get("num_train_timesteps", 1000))
+        self._time_inputs = TimeInputs()
+        self._time_hook = self._time_inputs.install(self.transformer.time_text_embed)
 
     def decode(self, latents: Tensor, estimate: bool = False) -> Tensor:
         """latents (B, C, H, W) -> images (B, 3, H', W') in [0, 1], fp32 (in chunks of ``decode_batch_size``), as the

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from stepflow.policies.base import LORA_TARGETS_SD3, Cond, TimeInputs
+from stepflow.policies.base import LORA_TARGETS_SD3, Cond
 from stepflow.policies.flux import pack_latents, pipeline_time_grid, unpack_latents
 from stepflow.policies.pipeline import PipelinePolicy, load_pipeline, resolve_dtype
 
@@ -104,10 +104,7 @@ class QwenImagePolicy(PipelinePolicy):
         self.image_seq_len = (self.latent_shape[1] // 2) * (self.latent_shape[2] // 2)
         self.negative_prompt = str(negative_prompt)
         self.cfg_renorm = bool(cfg_renorm)
-        self.scheduler = type(pipe.scheduler).from_config(pipe.scheduler.config)  # our own: time_grid mutates it
-        self.timestep_scale = float(self.scheduler.config.get("num_train_timesteps", 1000))
-        self._time_inputs = TimeInputs()
-        self._time_hook = self._time_inputs.install(self.transformer.time_text_embed)
+        self._own_scheduler_and_time_hook(pipe)
         self._setup_training(lora, finetune)
 
     # ------------------------------------------------------------------ loading

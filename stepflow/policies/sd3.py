@@ -135,14 +135,6 @@ class SD3Policy(PipelinePolicy):
         """
         return super().encode(prompts)
 
-    # ------------------------------------------------------------------ image
-    def _decode_chunk(self, z: Tensor) -> Tensor:
-        """Same as the pipeline: ``vae.decode(latents / scaling_factor + shift_factor)``."""
-        cfg = self.vae.config
-        p = self._vae_param()
-        z = z / cfg.scaling_factor + cfg.shift_factor
-        return self.vae.decode(z.to(p.device, p.dtype), return_dict=False)[0]
-
     def extra_repr(self) -> str:
         return (f"name={self.name!r}, latent_shape={self.latent_shape}, shift={self.shift}, "
                 f"max_sequence_length={self.max_sequence_length}, lora={self.has_lora}, finetune={self.finetune!r}")
