@@ -29,8 +29,8 @@ improvement (``--target-frac 0.5``), so that every ablation gets a target in its
 Writes ``<out>/report.md`` (default ``<sweep dir>/report``), ``<out>/summary.json`` and per ablation
 ``<ablation>_iteration.png`` (held-out and training reward vs iteration), ``<ablation>_nfe.png`` (vs cumulative
 NFEs) and ``<ablation>_wallclock.png`` (vs cumulative training seconds, the paper's Fig. 5); where runs log per-step
-weights (``train/weight_step{k}``: ``train.train_steps=auto``), ``<ablation>_step_weights.png`` (each step's weight
-vs iteration, stacked, mean over seeds).
+weights (``train/weight_step{k}``: ``train.train_steps=auto``, ``train.weighting=noise|gain_var``),
+``<ablation>_step_weights.png`` (each step's share of the weights vs iteration, stacked, mean over seeds).
 """
 
 from __future__ import annotations
@@ -477,17 +477,20 @@ def step_weight_curves(runs: Sequence[Run]) -> tuple[list[int], list[float], lis
 
 
 def plot_step_weights(name: str, arms: Sequence[Arm], out_dir: Path) -> Path | None:
-    """For the arms whose runs log per-step weights (``train/weight_step{k}``, e.g. ``train.train_steps=auto``): one
-    panel per arm, each step's weight vs iteration, stacked (mean over seeds at each iteration), so the steps the
-    weighting chose and when are visible. None when no arm logs them."""
+    """For the arms whose runs log per-step weights (``train/weight_step{k}``: ``train.train_steps=auto``,
+    ``train.weighting=noise|gain_var``): one panel per arm, each step's share of the weights (mean over seeds, then
+    normalised to sum 1 per iteration) vs iteration, stacked, so the steps the weighting chose and when are visible.
+    None when no arm logs them."""
     logged = [(arm, *step_weight_curves(arm.runs)) for arm in arms]
     logged = [x for x in logged if x[1]]
     if not logged:
         return None
     fig, axs = plt.subplots(1, len(logged), figsize=(5.5 * len(logged), 3.6), squeeze=False)
     for ax, (arm, steps, its, ys) in zip(axs[0], logged):
+        tot = [sum(col) or 1.0 for col in zip(*ys)]  # shares: auto's weights sum to 1, noise / gain_var's mean 1
+        ys = [[v / t for v, t in zip(row, tot)] for row in ys]
         ax.stackplot(its, ys, labels=[f"step {k}" for k in steps], colors=[f"C{k % 10}" for k in steps], alpha=0.85)
-        ax.set(title=f"{arm.label} (n={len(arm.runs)})", xlabel="iteration", ylabel="step weight (mean over seeds)",
+        ax.set(title=f"{arm.label} (n={len(arm.runs)})", xlabel="iteration", ylabel="share of the step weights",
                ylim=(0, 1.02))
         ax.grid(alpha=0.3)
     axs[0][-1].legend(fontsize=7, loc="center left", bbox_to_anchor=(1.0, 0.5))
