@@ -82,14 +82,15 @@ def measure(overrides: list[str], batches: int, schemes: list[str], weightings: 
         rewards = score(lr.policy, lr.reward, traj, x0, lp.decode_chunk).rewards
         every = dataclasses.replace(lr.train, train_steps=None, timestep_fraction=1.0)
         steps = trainable_steps(every, lr.sampler, traj.times)  # every stochastic step, whatever train_steps says
-        for s, est in estimators.items():
-            adv = est(rewards, plan.group_ids, lp.num_steps).advantages
-            grads[s].append(step_gradients(lr, traj, adv, steps))
+        outs = {s: est(rewards, plan.group_ids, lp.num_steps) for s, est in estimators.items()}
+        for s, out in outs.items():
+            grads[s].append(step_gradients(lr, traj, out.advantages, steps))
         if weightings:  # the first scheme's gradients, weighted as the update weighs them
             from stepflow.sde import step_std
 
-            out = estimators[schemes[0]](rewards, plan.group_ids, lp.num_steps)
+            out = outs[schemes[0]]
             stds = step_std(lr.sampler, traj.times[:-1], traj.times[1:], t_guard=traj.times[1])[steps]
+            gains = out.gains[:, steps] if out.gains is not None else None
             for w in weightings:
                 g = grads[schemes[0]][-1]
                 if w == "guard":
@@ -99,7 +100,6 @@ def measure(overrides: list[str], batches: int, schemes: list[str], weightings: 
                         g = step_gradients(lr, traj, out.advantages, steps)
                     finally:
                         lr.train = plain
-                gains = out.gains[:, steps] if out.gains is not None else None
                 upd, wk = weighted_update(g, w, stds, gains)
                 wgrads[w].append((upd, wk[:, None] * g))
     res = {"overrides": overrides, "batches": batches, "samples_per_batch": traj.batch_size, "steps": steps,

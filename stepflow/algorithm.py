@@ -167,8 +167,7 @@ def _rollout_and_score_overlapped(lr: Learner, plan: IterationPlan, need: list[i
     parts, ests, futures = [], [], []
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="reward") as pool:
         for s in range(0, n, size):
-            sub = IterationPlan(plan.prompts[s:s + size], plan.meta[s:s + size], plan.group_ids[s:s + size],
-                                plan.step_noise_seeds[s:s + size], plan.init_noise_seeds[s:s + size])
+            sub = plan.rows(slice(s, s + size))
             with ph("rollout"):
                 part = rollout(lr.policy, sub, lr.sampler, lr.loop.num_steps, lr.guidance, depth=max(need), sde_steps=sde)
             with ph("estimate"):

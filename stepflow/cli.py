@@ -98,9 +98,9 @@ def check_grammar(argv: list[str]) -> None:
         try:
             parser.parse_overrides([arg])
         except Exception as e:  # noqa: BLE001 - OverrideParseException and friends, reported as one line
-            key = arg.partition("=")[0]
-            fail(f"{key}: cannot read the override {arg!r} ({' '.join(str(e).split()).split(' See https')[0]}); quote a value that "
-                 f"holds '=', ',' or brackets: {key}=\"'...'\"")
+            key, why = arg.partition("=")[0], " ".join(str(e).split()).split(" See https")[0]
+            fail(f"{key}: cannot read the override {arg!r} ({why}); quote a value that holds '=', ',' or brackets: "
+                 f"{key}=\"'...'\"")
 
 
 def check_keys(argv: list[str], config_name: str, conf_dir: Path = CONF_DIR) -> None:

@@ -93,7 +93,10 @@ class IterationPlan:
         if b % world_size:
             raise ValueError(f"prompts_per_iter * group_size = {b} must be divisible by the number of processes ({world_size})")
         per = b // world_size
-        sl = slice(rank * per, (rank + 1) * per)
+        return self.rows(slice(rank * per, (rank + 1) * per))
+
+    def rows(self, sl: slice) -> "IterationPlan":
+        """The rows ``sl`` of the plan (their prompts, groups and noise seeds)."""
         return IterationPlan(self.prompts[sl], self.meta[sl], self.group_ids[sl], self.step_noise_seeds[sl],
                              self.init_noise_seeds[sl])
 

@@ -36,7 +36,6 @@ _DTYPES = {
 }
 
 
-
 class ModelLoadError(_UserError):
     """A model could not be loaded. The message is one line: what, where from, and how to fix it.
 
