@@ -141,7 +141,7 @@ def iteration(lr: Learner, it: int) -> IterationResult:
         adv, dropped = finite_advantages(lr, rewards, plan.group_ids, it, trained)
     with ph("update"):  # clipped GRPO (+ β·KL) over the trainable steps
         w = step_weights(lr, adv, trained, grid)
-        measure = lr.signal is not None and it % lr.train.auto_every == 0
+        measure = lr.signal is not None and it % lr.train.auto_every == 0  # auto: also the steps of weight 0
         upd = update(lr, traj, lr.dist.local_rows(adv.advantages), x0_hat, it, trained, w, mine.group_ids, measure)
     upd["train/nonfinite_rewards"] = float(dropped.sum())
     return IterationResult(plan, scores, rewards, adv, upd, ph, x0_hat is not None, ~dropped)
@@ -333,39 +333,46 @@ def _grad_vector(params: list) -> Tensor:
 
 def _per_step_update(lr: Learner, steps: list[int], chunk: Tensor, mbs: list[Tensor], groups: Tensor | None, terms,
                      params: list, stats: dict, measure: bool) -> None:
-    """Each trained step's gradient separately, from two halves of whole groups (A, B), then combined into the
-    parameters' .grad: ``train.weighting=grad_rms``: ``Σ_k (rms/|g_k|)·g_k / S``; ``train.train_steps=auto``:
-    ``Σ_k w_k·(rms/|g_k|)·g_k`` with the signal weights w (sum 1) of :class:`stepflow.coherence.StepSignal`, to
-    which a measurement adds the halves' mean gradients. Only steps with w_k > 0 are computed unless measuring."""
+    """Each trained step's gradient separately, summed from its parts (whole prompt groups; one group: two halves),
+    then combined into the parameters' .grad: ``train.weighting=grad_rms``: ``Σ_k (rms/|g_k|)·g_k / S``;
+    ``train.train_steps=auto``: ``Σ_k w_k·(rms/|g_k|)·g_k`` with the signal weights w (sum 1) of
+    :class:`stepflow.coherence.StepSignal`, to which every step computed adds a measurement from its parts' mean
+    gradients (sums over ranks). Steps of weight 0 are computed only when ``measure``."""
+    from stepflow.coherence import StepSignal
     from stepflow.loss import rms_weights
 
-    in_a = (groups[chunk] % 2 == 0) if groups is not None else torch.arange(len(chunk)) % 2 == 0
-    if bool(in_a.all()) or not bool(in_a.any()):  # one group only: halves by position
-        in_a = torch.arange(len(chunk)) < (len(chunk) + 1) // 2
-    pos = {int(r): bool(a) for r, a in zip(chunk, in_a)}
-    halves = [[mb[torch.tensor([pos[int(r)] == want for r in mb])] for mb in mbs] for want in (True, False)]
-    halves = [[mb for mb in h if len(mb)] for h in halves]
+    gid = groups[chunk] if groups is not None else torch.zeros(len(chunk), dtype=torch.long)
+    if len(torch.unique(gid)) < 2:  # one group only: halves by position
+        gid = (torch.arange(len(chunk)) >= (len(chunk) + 1) // 2).long()
+    part_of = {int(r): int(g) for r, g in zip(chunk, gid)}
+    ids = sorted(set(part_of.values()))
+    parts = [[mb[torch.tensor([part_of[int(r)] == g for r in mb])] for mb in mbs] for g in ids]
+    parts = [[mb for mb in p if len(mb)] for p in parts]
+    sizes = [sum(len(mb) for mb in p) for p in parts]
     sig = lr.signal
     if sig is not None:
         w_all = sig.weights()
         todo = [k for k in steps if measure or float(w_all[sig.steps.index(k)]) > 0]
     else:
         todo = list(steps)
-    grads, m_a, m_b = [], [], []
-    n = max(1, len(chunk))
-    n_a = sum(len(mb) for mb in halves[0]) or 1
+    n_global = lr.dist.all_sum(len(chunk))
+    grads, ratios = [], []
     for k in todo:
-        parts = []
-        for h in halves:
+        vecs = []
+        for part in parts:
             for p in params:
                 p.grad = None
-            terms(k, h, 1.0)
-            parts.append(_grad_vector(params))
-        grads.append(parts[0] + parts[1])
-        m_a.append(parts[0] * (n / n_a))
-        m_b.append(parts[1] * (n / max(1, n - n_a)))
-    if measure and sig is not None:
-        sig.add(todo, m_a, m_b)
+            terms(k, part, 1.0)
+            vecs.append(_grad_vector(params))
+        grads.append(sum(vecs))
+        if sig is not None:  # part means m_i = part_i · n_global / n_i; sums of m_i·m_j (i ≠ j) and |m_i|² over ranks
+            m = torch.stack([v.double() * (n_global / n) for v, n in zip(vecs, sizes)])
+            gram = m @ m.T
+            sq = float(gram.diagonal().sum())
+            sums = [lr.dist.all_sum(x) for x in (float(gram.sum()) - sq, len(m) * (len(m) - 1), sq, len(m))]
+            ratios.append(StepSignal.ratio(*sums))
+    if sig is not None and todo:
+        sig.add(todo, ratios)
     norms = torch.stack([g.norm() for g in grads]).double() if grads else torch.zeros(0)
     coef = rms_weights(norms).double()
     if sig is not None:

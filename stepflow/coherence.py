@@ -78,53 +78,119 @@ def step_gradients(learner, traj, adv: Tensor, steps: Sequence[int]) -> Tensor:
     return torch.stack(out)
 
 
+def chi2_quantile(p: float, df: int) -> float:
+    """The p-quantile of the χ² distribution with ``df`` degrees of freedom: the root of the regularised lower
+    incomplete gamma function ``P(df/2, x/2) = p`` by bisection (to 1e-10 relative)."""
+    a = torch.tensor(df / 2.0, dtype=torch.float64)
+    lo, hi = 0.0, max(1.0, 10.0 * df)
+    while float(torch.special.gammainc(a, torch.tensor(hi / 2.0, dtype=torch.float64))) < p:
+        hi *= 2.0
+    for _ in range(200):
+        mid = 0.5 * (lo + hi)
+        if float(torch.special.gammainc(a, torch.tensor(mid / 2.0, dtype=torch.float64))) < p:
+            lo = mid
+        else:
+            hi = mid
+        if hi - lo <= 1e-10 * hi:
+            break
+    return 0.5 * (lo + hi)
+
+
 class StepSignal:
     """Online per-step signal fraction of the policy gradient, from the gradients the update already computes
-    (``train.train_steps=auto``): each measured iteration splits the batch into two halves of whole groups, A and B,
-    whose step-k gradients are independent estimates of the same expected gradient, and accumulates
-    ``Σ m_A·m_B`` and ``Σ (|m_A|² + |m_B|²)/2`` (m: a half's mean gradient). Their ratio estimates the signal
-    fraction ρ_k of a half batch (module docstring; ρ of the full batch is larger, the order of the steps the same).
+    (``train.train_steps=auto``), and the step weights it implies.
 
-    :meth:`weights` turns the estimates into step weights: ``w_k ∝ max(ρ_k − threshold·max_j ρ_j, 0)`` (sum 1), so
-    steps whose gradient is mostly noise get none; before ``warmup`` measurements every step weighs the same.
+    A measurement of step k is its mean gradient over each of G >= 2 independent parts of the batch (whole prompt
+    groups; ``m_1 .. m_G``): ``r = mean_{i≠j} m_i·m_j / mean_i |m_i|²``, an estimate of the signal fraction ρ_k of
+    one part's gradient (module docstring; :func:`signal_fraction`). Measurements are ratios, so an early iteration
+    with large gradients does not outweigh the rest; per step they are averaged (``ρ̂_k``, standard error ``s_k``).
+
+    :meth:`weights`: the estimates are noisy (a part's ρ is a few percent), so they are first shrunk toward their
+    mean over steps by empirical Bayes (normal prior whose variance τ² over steps is DerSimonian–Laird's, and 0
+    unless Cochran's test finds the steps different at the 5 % level; :meth:`heterogeneity`):
+    ``ρ̃_k = ρ̄ + τ²/(τ² + s_k²)·(ρ̂_k − ρ̄)``; steps only get different weights when their estimates differ by more
+    than their noise. Then ``w_k ∝ sqrt(ρ̃_k)/(1 − ρ̃_k)`` (ρ̃ clamped to [0, 1)), sum 1: for unit-norm step
+    gradients ``u_k = sqrt(ρ_k)·s_k + sqrt(1 − ρ_k)·n_k`` (unit signal s, unit noise n), the weights that maximise
+    the update's signal-to-noise ratio ``(Σ w_k sqrt ρ_k)² / Σ w_k² (1 − ρ_k)`` (Cauchy–Schwarz). Uniform before
+    every step has ``warmup`` measurements, and when no shrunk estimate is positive.
     """
 
-    def __init__(self, steps: Sequence[int], warmup: int = 3, threshold: float = 0.5):
+    def __init__(self, steps: Sequence[int], warmup: int = 3):
         self.steps = list(steps)
-        self.warmup, self.threshold = int(warmup), float(threshold)
-        self.dot = torch.zeros(len(self.steps), dtype=torch.float64)
-        self.sq = torch.zeros(len(self.steps), dtype=torch.float64)
-        self.measurements = 0
+        self.warmup = int(warmup)
+        s = len(self.steps)
+        self.count = torch.zeros(s, dtype=torch.float64)
+        self.mean = torch.zeros(s, dtype=torch.float64)
+        self.m2 = torch.zeros(s, dtype=torch.float64)  # Welford: Σ (r − mean)²
+        self.measurements = 0  #: iterations that measured at least one step
 
-    def add(self, steps: Sequence[int], m_a: Sequence[Tensor], m_b: Sequence[Tensor]) -> None:
-        """One measurement: the halves' flattened mean gradients of ``steps`` (a subset of :attr:`steps`)."""
-        for k, a, b in zip(steps, m_a, m_b):
+    @staticmethod
+    def ratio(cross: float, pairs: float, sq: float, parts: float) -> float:
+        """A measurement from the sums over parts: ``(Σ_{i≠j} m_i·m_j / pairs) / (Σ_i |m_i|² / parts)``."""
+        if pairs <= 0 or sq <= 0:
+            return 0.0
+        return (cross / pairs) / (sq / parts)
+
+    def add(self, steps: Sequence[int], ratios: Sequence[float]) -> None:
+        """One iteration's measurements ``r`` (see :meth:`ratio`) of ``steps`` (a subset of :attr:`steps`)."""
+        for k, r in zip(steps, ratios):
             j = self.steps.index(k)
-            a, b = a.double().flatten(), b.double().flatten()
-            self.dot[j] += float(a @ b)
-            self.sq[j] += 0.5 * float(a @ a + b @ b)
+            self.count[j] += 1
+            delta = float(r) - float(self.mean[j])
+            self.mean[j] += delta / self.count[j]
+            self.m2[j] += delta * (float(r) - float(self.mean[j]))
         self.measurements += 1
 
     def rho(self) -> Tensor:
-        """(S,) the signal-fraction estimates (0 where nothing was measured)."""
-        return torch.where(self.sq > 0, self.dot / self.sq.clamp(min=1e-300), torch.zeros_like(self.dot))
+        """(S,) the mean measured signal fraction per step (0 where nothing was measured)."""
+        return self.mean.clone()
+
+    def stderr(self) -> Tensor:
+        """(S,) standard errors of :meth:`rho` (inf below two measurements)."""
+        var = self.m2 / (self.count - 1).clamp(min=1)
+        return torch.where(self.count >= 2, (var / self.count.clamp(min=1)).sqrt(), torch.full_like(var, float("inf")))
+
+    def heterogeneity(self) -> tuple[float, float, float]:
+        """Cochran's ``Q = Σ_k (ρ̂_k − ρ̄)²/s_k²`` (ρ̄ the precision-weighted mean), its 95 % point under "every step has
+        the same ρ" (χ² with S − 1 degrees of freedom) and the DerSimonian–Laird between-step
+        variance ``τ² = max(0, (Q − (S − 1)) / (Σ p − Σ p²/Σ p))``, p = 1/s²; τ² is 0 unless Q exceeds its 95 % point."""
+        rho, p = self.rho(), 1.0 / self.stderr().pow(2).clamp(min=1e-24)
+        df = len(rho) - 1
+        if df < 1:
+            return 0.0, float("inf"), 0.0
+        mean = float((p * rho).sum() / p.sum())
+        q = float((p * (rho - mean).pow(2)).sum())
+        q95 = chi2_quantile(0.95, df)
+        tau2 = max(0.0, (q - df) / float(p.sum() - p.pow(2).sum() / p.sum())) if q > q95 else 0.0
+        return q, q95, tau2
+
+    def shrunk(self) -> Tensor:
+        """(S,) empirical-Bayes estimates ``ρ̃_k = ρ̄ + τ²/(τ² + s_k²)·(ρ̂_k − ρ̄)`` (class docstring; ρ̄ the mean over
+        steps, τ² from :meth:`heterogeneity`)."""
+        rho, se2 = self.rho(), self.stderr().pow(2)
+        if len(rho) < 2 or not bool(torch.isfinite(se2).all()):
+            return rho
+        tau2 = self.heterogeneity()[2]
+        return rho.mean() + (tau2 / (tau2 + se2).clamp(min=1e-300)) * (rho - rho.mean())
 
     def weights(self) -> Tensor:
-        """(S,) step weights summing to 1."""
+        """(S,) step weights summing to 1 (class docstring)."""
         s = len(self.steps)
-        if self.measurements < self.warmup:
-            return torch.full((s,), 1.0 / s, dtype=torch.float64)
-        rho = self.rho()
-        w = torch.clamp(rho - self.threshold * rho.max().clamp(min=0), min=0)
-        if not bool((w > 0).any()):  # nothing stands out: the most coherent step
-            w = torch.zeros_like(rho)
-            w[int(rho.argmax())] = 1.0
-        return w / w.sum()
+        uniform = torch.full((s,), 1.0 / s, dtype=torch.float64)
+        if s == 0 or float(self.count.min()) < max(self.warmup, 2):
+            return uniform
+        r = self.shrunk().clamp(0.0, 1.0 - 1e-6)
+        w = r.sqrt() / (1.0 - r)
+        return uniform if float(w.sum()) <= 0 else w / w.sum()
 
     def state_dict(self) -> dict:
-        return {"steps": self.steps, "dot": self.dot.clone(), "sq": self.sq.clone(), "measurements": self.measurements}
+        return {"steps": self.steps, "count": self.count.clone(), "mean": self.mean.clone(), "m2": self.m2.clone(),
+                "measurements": self.measurements}
 
     def load_state_dict(self, sd: dict) -> None:
+        if "mean" not in sd:
+            raise ValueError("train.train_steps=auto: the checkpoint's step-signal estimate is from an older stepflow "
+                             "(before per-measurement ratios); resume it with the stepflow that wrote it, or start afresh")
         self.steps = list(sd["steps"])
-        self.dot, self.sq = sd["dot"].clone().double(), sd["sq"].clone().double()
+        self.count, self.mean, self.m2 = (sd[k].clone().double() for k in ("count", "mean", "m2"))
         self.measurements = int(sd["measurements"])

@@ -110,9 +110,10 @@ class TrainConfig:
     #: noise-normalised ratio) | grad_rms (each step's gradient scaled to the RMS of their norms) | gain_var (∝ the
     #: step's gain variance); stepflow.loss
     weighting: str = "none"
-    auto_every: int = 2  #: train_steps=auto: measure every step's gradient signal every N iterations
-    auto_warmup: int = 3  #: train_steps=auto: measurements before the weights leave uniform
-    auto_threshold: float = 0.5  #: train_steps=auto: steps below this fraction of the best signal get no weight
+    #: train_steps=auto: every step whose gradient is computed is measured; steps of weight 0 are computed (and
+    #: measured again) every N iterations
+    auto_every: int = 2
+    auto_warmup: int = 3  #: train_steps=auto: measurements of every step before the weights leave uniform
 
     def __post_init__(self) -> None:
         _need(self.kl_mode in KL_MODES, f"kl_mode: must be one of {', '.join(KL_MODES)}, got {self.kl_mode!r}")
@@ -132,7 +133,6 @@ class TrainConfig:
         _need(self.weighting in WEIGHTINGS, f"weighting: must be one of {', '.join(WEIGHTINGS)}, got {self.weighting!r}")
         _need(_is_int(self.auto_every) and self.auto_every >= 1, f"auto_every: must be an integer >= 1, got {self.auto_every!r}")
         _need(_is_int(self.auto_warmup) and self.auto_warmup >= 0, f"auto_warmup: must be an integer >= 0, got {self.auto_warmup!r}")
-        _need(0.0 <= self.auto_threshold < 1.0, f"auto_threshold: must be in [0, 1), got {self.auto_threshold}")
         if self.train_steps is not None and self.train_steps != "auto":
             steps = list(self.train_steps) if isinstance(self.train_steps, (list, tuple)) else None
             _need(steps is not None, f"train_steps: must be a list of step indices, null or auto, got {self.train_steps!r}")

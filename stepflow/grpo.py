@@ -72,7 +72,7 @@ class GRPOModule(L.LightningModule):
             from stepflow.coherence import StepSignal
 
             steps = trainable_steps(train, sampler, policy.time_grid(loop.num_steps), advantage.scheme == "distill")
-            signal = StepSignal(steps, train.auto_warmup, train.auto_threshold)
+            signal = StepSignal(steps, train.auto_warmup)
         self.learner = Learner(policy, reward, sampler, AdvantageEstimator(advantage), plan, loop, train, None,
                                guidance=float(guidance), backward=self._backward,
                                on_optimizer_step=self.ema.step if self.ema is not None else None, window=window,

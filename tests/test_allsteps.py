@@ -7,6 +7,7 @@ import math
 
 import pytest
 import torch
+from torch import Tensor
 from conftest import compose_config
 
 from stepflow.coherence import StepSignal
@@ -106,27 +107,81 @@ def test_guard_log_ratio_closed_form_and_no_one_over_sigma():
 
 
 # ------------------------------------------------------------------------------------------------ auto steps
-def test_step_signal_estimates_the_signal_fraction_and_selects_coherent_steps():
-    """Halves of a batch: m = μ + noise; the estimate converges to |μ|²/(|μ|² + σ²D) per step and the weights go to
-    the steps whose signal stands out (threshold 0.5 of the best)."""
+def _measure(mu: Tensor, groups: int, noise: float, g: torch.Generator) -> float:
+    """One measurement of a step with expected gradient ``mu`` from ``groups`` parts of noise std ``noise``."""
+    m = torch.stack([mu + torch.randn(len(mu), generator=g) * noise for _ in range(groups)]).double()
+    gram = m @ m.T
+    sq = float(gram.diagonal().sum())
+    return StepSignal.ratio(float(gram.sum()) - sq, groups * (groups - 1), sq, groups)
+
+
+def test_step_signal_estimates_the_signal_fraction_and_weights_coherent_steps():
+    """Parts of a batch: m_i = μ + noise; the estimate converges to ρ = |μ|²/(|μ|² + σ²D) per step, and the weights
+    are the closed form sqrt(ρ)/(1 − ρ), normalised (the shrinkage does nothing when the steps clearly differ)."""
     g = torch.Generator().manual_seed(0)
     d = 400
     mu = {0: torch.randn(d, generator=g) * 0.3, 1: torch.randn(d, generator=g) * 0.05, 2: torch.zeros(d)}
-    sig = StepSignal([0, 1, 2], warmup=2, threshold=0.5)
+    sig = StepSignal([0, 1, 2], warmup=2)
     torch.testing.assert_close(sig.weights(), torch.full((3,), 1 / 3, dtype=torch.float64))  # before the warm-up
     for _ in range(200):
-        a = [mu[k] + torch.randn(d, generator=g) * 0.1 for k in (0, 1, 2)]
-        b = [mu[k] + torch.randn(d, generator=g) * 0.1 for k in (0, 1, 2)]
-        sig.add([0, 1, 2], a, b)
-    want = [float(mu[k] @ mu[k]) / (float(mu[k] @ mu[k]) + 0.01 * d) for k in (0, 1, 2)]
-    for k in range(3):
-        assert float(sig.rho()[k]) == pytest.approx(want[k], abs=0.02)
+        sig.add([0, 1, 2], [_measure(mu[k], 4, 0.1, g) for k in (0, 1, 2)])
+    want = torch.tensor([float(mu[k] @ mu[k]) / (float(mu[k] @ mu[k]) + 0.01 * d) for k in (0, 1, 2)])
+    torch.testing.assert_close(sig.rho().float(), want, atol=0.02, rtol=0)
     w = sig.weights()
-    assert float(w.sum()) == pytest.approx(1.0) and float(w[0]) == pytest.approx(1.0)  # only step 0 stands out
+    r = want.clamp(min=0).double()
+    closed = r.sqrt() / (1 - r)
+    torch.testing.assert_close(w, closed / closed.sum(), atol=0.03, rtol=0)
+    assert float(w.sum()) == pytest.approx(1.0) and float(w[0]) > 0.6 and float(w[2]) < 0.05
     state = sig.state_dict()
     again = StepSignal([0, 1, 2])
     again.load_state_dict(state)
-    torch.testing.assert_close(again.rho(), sig.rho())
+    torch.testing.assert_close(again.weights(), sig.weights())
+    with pytest.raises(ValueError, match="older stepflow"):
+        again.load_state_dict({"steps": [0], "dot": torch.zeros(1), "sq": torch.zeros(1), "measurements": 1})
+
+
+def test_step_signal_shrinkage_is_the_empirical_bayes_posterior_mean():
+    """Cochran's Q, its χ² 95 % point (against the tabulated 5.991 and 11.070 for 2 and 5 degrees of freedom) and ρ̃_k = ρ̄ + τ²/(τ² + s_k²)(ρ̂_k − ρ̄) with DerSimonian–Laird's τ², on hand-set measurements."""
+    sig = StepSignal([0, 1, 2], warmup=2)
+    meas = {0: [0.30, 0.28, 0.32, 0.29], 1: [0.05, 0.00, 0.10, 0.06], 2: [-0.02, 0.02, 0.00, 0.01]}
+    for i in range(4):
+        sig.add([0, 1, 2], [meas[k][i] for k in (0, 1, 2)])
+    x = torch.tensor([meas[k] for k in (0, 1, 2)], dtype=torch.float64)
+    rho, se2 = x.mean(1), x.var(1) / 4
+    p = 1 / se2
+    q = float((p * (rho - (p * rho).sum() / p.sum()).pow(2)).sum())
+    tau2 = (q - 2) / float(p.sum() - p.pow(2).sum() / p.sum())
+    torch.testing.assert_close(sig.rho(), rho)
+    torch.testing.assert_close(sig.stderr().pow(2), se2)
+    got_q, q95, got_tau2 = sig.heterogeneity()
+    assert got_q == pytest.approx(q) and q > q95 == pytest.approx(5.9915, abs=1e-3)  # χ²(2) 95 %: 5.991
+    assert got_tau2 == pytest.approx(tau2)
+    torch.testing.assert_close(sig.shrunk(), rho.mean() + tau2 / (tau2 + se2) * (rho - rho.mean()))
+    six = StepSignal(list(range(6)), warmup=2)
+    for i in range(2):
+        six.add(list(range(6)), [0.0] * 6)
+    assert six.heterogeneity()[1] == pytest.approx(11.0705, abs=1e-3)
+    same = StepSignal([0, 1, 2], warmup=2)  # estimates within their noise: τ² = 0, every ρ̃ is the mean
+    for r in ([0.1, 0.0, 0.05], [0.0, 0.1, 0.05]):
+        same.add([0, 1, 2], r)
+    assert same.heterogeneity()[2] == 0.0
+    torch.testing.assert_close(same.shrunk(), same.rho().mean().expand(3))
+
+
+def test_step_signal_keeps_noise_steps_uniform():
+    """Every step pure noise (ρ = 0), 20 runs of 30 measurements: the estimates scatter, and the weights stay uniform
+    in all but the few runs whose scatter passes the 5 % test (the threshold rule this replaced put all weight on one
+    or two steps in every run)."""
+    g = torch.Generator().manual_seed(3)
+    uniform = 0
+    for _ in range(20):
+        sig = StepSignal(list(range(9)), warmup=3)
+        for _ in range(30):
+            sig.add(list(range(9)), [_measure(torch.zeros(200), 4, 1.0, g) for _ in range(9)])
+        assert float(sig.rho().abs().max()) > 0.002  # the raw estimates do differ
+        w = sig.weights()
+        uniform += float(w.max() / w.min()) < 1.0001
+    assert uniform >= 16
 
 
 def test_grad_rms_update_combines_each_steps_gradient_at_the_rms_norm(tmp_path, monkeypatch):
