@@ -7,8 +7,8 @@ import math
 
 import pytest
 import torch
-from torch import Tensor
 from conftest import compose_config
+from torch import Tensor
 
 from stepflow.coherence import StepSignal
 from stepflow.loss import gain_variance_weights, guard_log_ratio, noise_weights, rms_weights
@@ -158,7 +158,7 @@ def test_step_signal_shrinkage_is_the_empirical_bayes_posterior_mean():
     assert got_tau2 == pytest.approx(tau2)
     torch.testing.assert_close(sig.shrunk(), rho.mean() + tau2 / (tau2 + se2) * (rho - rho.mean()))
     six = StepSignal(list(range(6)), warmup=2)
-    for i in range(2):
+    for _ in range(2):
         six.add(list(range(6)), [0.0] * 6)
     assert six.heterogeneity()[1] == pytest.approx(11.0705, abs=1e-3)
     same = StepSignal([0, 1, 2], warmup=2)  # estimates within their noise: τ² = 0, every ρ̃ is the mean
