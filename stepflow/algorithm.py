@@ -337,7 +337,8 @@ def _per_step_update(lr: Learner, steps: list[int], chunk: Tensor, mbs: list[Ten
     then combined into the parameters' .grad: ``train.weighting=grad_rms``: ``Σ_k (rms/|g_k|)·g_k / S``;
     ``train.train_steps=auto``: ``Σ_k w_k·(rms/|g_k|)·g_k`` with the signal weights w (sum 1) of
     :class:`stepflow.coherence.StepSignal`, to which every step computed adds a measurement from its parts' mean
-    gradients (sums over ranks). Steps of weight 0 are computed only when ``measure``."""
+    gradients (sums over ranks). Steps of weight 0 are computed only when ``measure``. Under DDP the per-step
+    gradients are summed over ranks first, so the norms and the combination are those of the global gradients."""
     from stepflow.coherence import StepSignal
     from stepflow.loss import rms_weights
 
@@ -356,6 +357,7 @@ def _per_step_update(lr: Learner, steps: list[int], chunk: Tensor, mbs: list[Ten
     else:
         todo = list(steps)
     n_global = lr.dist.all_sum(len(chunk))
+    n_params = sum(p.numel() for p in params)
     grads, ratios = [], []
     for k in todo:
         vecs = []
@@ -364,15 +366,20 @@ def _per_step_update(lr: Learner, steps: list[int], chunk: Tensor, mbs: list[Ten
                 p.grad = None
             terms(k, part, 1.0)
             vecs.append(_grad_vector(params))
-        grads.append(sum(vecs))
+        grads.append(sum(vecs) if vecs else torch.zeros(n_params))  # a DDP rank may hold no rows of a chunk
         if sig is not None:  # part means m_i = part_i · n_global / n_i; sums of m_i·m_j (i ≠ j) and |m_i|² over ranks
-            m = torch.stack([v.double() * (n_global / n) for v, n in zip(vecs, sizes)])
-            gram = m @ m.T
-            sq = float(gram.diagonal().sum())
-            sums = [lr.dist.all_sum(x) for x in (float(gram.sum()) - sq, len(m) * (len(m) - 1), sq, len(m))]
-            ratios.append(StepSignal.ratio(*sums))
+            sums = torch.zeros(4, dtype=torch.float64)
+            if vecs:
+                m = torch.stack([v.double() * (n_global / n) for v, n in zip(vecs, sizes)])
+                gram = m @ m.T
+                sq = float(gram.diagonal().sum())
+                sums = torch.tensor([float(gram.sum()) - sq, len(m) * (len(m) - 1), sq, len(m)], dtype=torch.float64)
+            ratios.append(StepSignal.ratio(*lr.dist.all_sum_tensor(sums).tolist()))
     if sig is not None and todo:
         sig.add(todo, ratios)
+    manual = lr.dist.world > 1 and lr.dist.manual_grad_sync
+    if manual and grads:  # every rank combines the global per-step gradients (norms of the sum over ranks)
+        grads = list(lr.dist.all_sum_tensor(torch.stack(grads)).unbind(0))
     norms = torch.stack([g.norm() for g in grads]).double() if grads else torch.zeros(0)
     coef = rms_weights(norms).double()
     if sig is not None:
@@ -382,6 +389,8 @@ def _per_step_update(lr: Learner, steps: list[int], chunk: Tensor, mbs: list[Ten
     else:
         coef = coef / max(1, len(todo))
     total = sum(c * g for c, g in zip(coef.tolist(), grads)) if grads else None
+    if manual and total is not None:  # the caller's all_reduce_grads sums the ranks' (identical) combinations
+        total = total / lr.dist.world
     off = 0
     for p in params:
         n_p = p.numel()

@@ -63,6 +63,14 @@ class Dist:
         torch.distributed.all_reduce(t)
         return float(t)
 
+    def all_sum_tensor(self, x: Tensor) -> Tensor:
+        """``x`` summed over ranks (a new tensor on x's device; x itself when single-process)."""
+        if self.world == 1:
+            return x
+        t = x.to(self.device).clone()
+        torch.distributed.all_reduce(t)
+        return t.to(x.device)
+
     def any(self, flag: bool) -> bool:
         """True on every rank if ``flag`` is True on any rank (every rank must call it at the same point)."""
         if self.world == 1:

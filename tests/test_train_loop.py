@@ -139,12 +139,15 @@ def test_bad_overrides_give_one_line_errors(tmp_path, args, needle):
 
 
 @pytest.mark.slow
-def test_ddp_two_processes_matches_one(tmp_path):
-    """2-process DDP on the CPU (gloo) gives the same rewards and advantages as 1 process for the same seeds."""
+@pytest.mark.parametrize("extra", [[], ["train.train_steps=auto", "train.auto_warmup=0", "reward=pickscore_tiny", "sampler=flow_sde"]],
+                         ids=["plain", "auto"])
+def test_ddp_two_processes_matches_one(tmp_path, extra):
+    """2-process DDP on the CPU (gloo) gives the same rewards and advantages as 1 process for the same seeds, and
+    the same optimizer step (auto: the per-step gradients are RMS-normalised by their global norms)."""
     one, two = tmp_path / "one", tmp_path / "two"
     # adam_eps=1, lr=1: the first Adam step is ~ the gradient itself (not its sign), so weights compare gradients
     common = ["experiment=smoke", "loop.iterations=1", "loop.dump_trajectories=true", "eval.max_prompts=2",
-              "train.adam_eps=1.0", "train.lr=1.0", "train.max_grad_norm=0"]
+              "train.adam_eps=1.0", "train.lr=1.0", "train.max_grad_norm=0", *extra]
     r1 = _cli(*common, f"hydra.run.dir={one}")
     assert r1.returncode == 0, r1.stderr[-3000:]
     r2 = _cli(*common, "trainer=ddp_cpu", f"hydra.run.dir={two}", timeout=400)
@@ -160,10 +163,10 @@ def test_ddp_two_processes_matches_one(tmp_path):
     wa = load_file(str(one / "lora" / "pytorch_lora_weights.safetensors"))
     wb = load_file(str(two / "lora" / "pytorch_lora_weights.safetensors"))
     assert wa.keys() == wb.keys()
-    for k in wa:
-        torch.testing.assert_close(wa[k], wb[k], atol=1e-6, rtol=1e-4)
-    # lora_B starts at zero: the step moved it
-    assert max(float(wa[k].abs().max()) for k in wa if "lora_B" in k) > 1e-4
+    moved = max(float(wa[k].abs().max()) for k in wa if "lora_B" in k)
+    for k in wa:  # tolerances relative to the step (auto's step is ~2e-5: an absolute 1e-6 would hide a 10 % error)
+        torch.testing.assert_close(wa[k], wb[k], atol=1e-3 * moved, rtol=1e-3)
+    assert moved > 1e-5  # lora_B starts at zero: the step moved it
 
 
 def test_reward_service_failure_stops_cleanly_and_resumes(tmp_path):
