@@ -324,6 +324,9 @@ def update(lr: Learner, traj: Trajectory, adv: Tensor, x0_hat: Tensor | None, it
     if lr.signal is not None:
         res.update({f"train/signal_step{k}": float(r) for k, r in zip(lr.signal.steps, lr.signal.rho())})
         res.update({f"train/weight_step{k}": float(w) for k, w in zip(lr.signal.steps, lr.signal.weights())})
+        q, q95, tau2 = lr.signal.heterogeneity()
+        if q95 < float("inf"):  # Cochran's Q over its 95 % point: the weights leave uniform above 1
+            res["train/signal_heterogeneity"], res["train/signal_tau2"] = q / q95, tau2
     return res
 
 

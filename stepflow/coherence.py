@@ -154,9 +154,10 @@ class StepSignal:
         """Cochran's ``Q = Σ_k (ρ̂_k − ρ̄)²/s_k²`` (ρ̄ the precision-weighted mean), its 95 % point under "every step has
         the same ρ" (χ² with S − 1 degrees of freedom) and the DerSimonian–Laird between-step
         variance ``τ² = max(0, (Q − (S − 1)) / (Σ p − Σ p²/Σ p))``, p = 1/s²; τ² is 0 unless Q exceeds its 95 % point."""
-        rho, p = self.rho(), 1.0 / self.stderr().pow(2).clamp(min=1e-24)
+        rho, se = self.rho(), self.stderr()
+        p = 1.0 / se.pow(2).clamp(min=1e-24)
         df = len(rho) - 1
-        if df < 1:
+        if df < 1 or not bool(torch.isfinite(se).all()):  # a step measured fewer than twice
             return 0.0, float("inf"), 0.0
         mean = float((p * rho).sum() / p.sum())
         q = float((p * (rho - mean).pow(2)).sum())

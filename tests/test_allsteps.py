@@ -240,6 +240,7 @@ def test_auto_train_steps_log_and_checkpoint_the_signal(tmp_path, monkeypatch):
         rows = [r for r in csv.DictReader(fh) if r.get("train/steps_trained")]
     assert all(r.get(f"train/signal_step{k}") not in (None, "") for r in rows for k in (0, 1, 2, 3))
     assert sum(float(rows[-1][f"train/weight_step{k}"]) for k in (0, 1, 2, 3)) == pytest.approx(1.0)
+    assert float(rows[-1]["train/signal_heterogeneity"]) >= 0  # Cochran's Q / its 95 % point, once measured twice
     module2 = run(compose_config("train", [*args, "loop.iterations=3",
                                            f"ckpt_path={tmp_path / 'checkpoints' / 'last.ckpt'}"]), tmp_path)
     assert module2.learner.signal.measurements == 3  # restored 2, measured once more
