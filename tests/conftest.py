@@ -21,6 +21,13 @@ torch.set_num_threads(1)  # tiny models: one thread is faster and steadier on a 
 ROOT = Path(__file__).resolve().parent.parent
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _one_torch_thread():
+    """Every test module starts on one torch thread (a run in-process may have set ``torch_threads``)."""
+    torch.set_num_threads(1)
+    yield
+
+
 def pytest_collection_modifyitems(config, items):
     """``gpu``-marked tests run only where CUDA is available (``pytest -m gpu`` on a GPU machine)."""
     if torch.cuda.is_available():

@@ -21,14 +21,6 @@ H = TINY_HEIGHT
 FAMILIES = ["sd3", "flux", "qwen_image"]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 @pytest.fixture(scope="module")
 def dirs(tmp_path_factory):
     return {"sd3": save_tiny_sd3(tmp_path_factory.mktemp("sd3")),

@@ -27,14 +27,6 @@ H = TINY_HEIGHT
 GUIDANCE = 3.5  # FLUX.1-dev's embedded guidance
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 @pytest.fixture(scope="module")
 def dirs(tmp_path_factory):
     return {v: save_tiny_flux(tmp_path_factory.mktemp(f"flux_{v}"), variant=v) for v in ("dev", "schnell")}

@@ -27,14 +27,6 @@ H = TINY_HEIGHT
 CFG = 4.0  # the model card's true_cfg_scale
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory):
     return save_tiny_qwen_image(tmp_path_factory.mktemp("qwen_image_tiny"))

@@ -21,15 +21,6 @@ SEQ = 16  # T5 tokens: token states are 77 + 16 long
 H = TINY_HEIGHT
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    """Tiny models: intra-op threads only add contention (4x slower on a shared 2-core machine)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory):
     return save_tiny_sd3(tmp_path_factory.mktemp("sd3_tiny"))

@@ -16,14 +16,6 @@ SEQ = 16
 H = TINY_HEIGHT
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory):
     return save_tiny_sd3(tmp_path_factory.mktemp("sd35_large_tiny"), variant="large")

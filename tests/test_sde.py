@@ -67,15 +67,6 @@ def _ref_xhat1_coef(cfg: SamplerConfig, t: float, s: float, t1: float) -> float:
     return math.sqrt(max(s * s - std * std, 0.0))
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """The Monte-Carlo loops are many small ops; intra-op threads only add contention on a shared 2-core box."""
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
-
-
 # ------------------------------------------------------------------------------------------------------------
 # grid
 # ------------------------------------------------------------------------------------------------------------
