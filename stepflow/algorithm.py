@@ -302,7 +302,7 @@ def update(lr: Learner, traj: Trajectory, adv: Tensor, x0_hat: Tensor | None, it
                         stats.setdefault(f"{name}_step{k}", []).append(v)
 
         if o.weighting == "grad_rms" or lr.signal is not None:
-            _per_step_update(lr, steps, chunk, mbs, groups, terms, params, stats, measure)
+            _per_step_update(lr, steps, chunk, n_global, mbs, groups, terms, params, stats, measure)
         else:
             for j, k in enumerate(steps):
                 terms(k, mbs, (1.0 if weights is None else float(weights[j])) / len(steps))
@@ -334,15 +334,16 @@ def _grad_vector(params: list) -> Tensor:
     return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).flatten() for p in params])
 
 
-def _per_step_update(lr: Learner, steps: list[int], chunk: Tensor, mbs: list[Tensor], groups: Tensor | None, terms,
-                     params: list, stats: dict, measure: bool) -> None:
+def _per_step_update(lr: Learner, steps: list[int], chunk: Tensor, n_global: float, mbs: list[Tensor],
+                     groups: Tensor | None, terms, params: list, stats: dict, measure: bool) -> None:
     """Each trained step's gradient separately, summed from its parts (whole prompt groups; one group: two halves),
     then combined into the parameters' .grad: ``train.weighting=grad_rms``: ``Σ_k (rms/|g_k|)·g_k / S``;
     ``train.train_steps=auto``: ``Σ_k w_k·(rms/|g_k|)·g_k`` with the signal weights w (sum 1) of
     :class:`stepflow.coherence.StepSignal`, to which every step computed adds a measurement from its parts' mean
     gradients (sums over ranks). Steps of weight 0 are computed only when ``measure``. Under DDP the per-step
-    gradients are summed over ranks first, so the norms and the combination are those of the global gradients."""
-    from stepflow.coherence import StepSignal
+    gradients are summed over ranks first, so the norms and the combination are those of the global gradients.
+    ``n_global``: the chunk's rows on all ranks."""
+    from stepflow.coherence import StepSignal, pair_sums
     from stepflow.loss import rms_weights
 
     gid = groups[chunk] if groups is not None else torch.zeros(len(chunk), dtype=torch.long)
@@ -359,9 +360,8 @@ def _per_step_update(lr: Learner, steps: list[int], chunk: Tensor, mbs: list[Ten
         todo = [k for k in steps if measure or float(w_all[sig.steps.index(k)]) > 0]
     else:
         todo = list(steps)
-    n_global = lr.dist.all_sum(len(chunk))
     n_params = sum(p.numel() for p in params)
-    grads, ratios = [], []
+    grads, sums = [], []
     for k in todo:
         vecs = []
         for part in parts:
@@ -370,16 +370,11 @@ def _per_step_update(lr: Learner, steps: list[int], chunk: Tensor, mbs: list[Ten
             terms(k, part, 1.0)
             vecs.append(_grad_vector(params))
         grads.append(sum(vecs) if vecs else torch.zeros(n_params))  # a DDP rank may hold no rows of a chunk
-        if sig is not None:  # part means m_i = part_i · n_global / n_i; sums of m_i·m_j (i ≠ j) and |m_i|² over ranks
-            sums = torch.zeros(4, dtype=torch.float64)
-            if vecs:
-                m = torch.stack([v.double() * (n_global / n) for v, n in zip(vecs, sizes)])
-                gram = m @ m.T
-                sq = float(gram.diagonal().sum())
-                sums = torch.tensor([float(gram.sum()) - sq, len(m) * (len(m) - 1), sq, len(m)], dtype=torch.float64)
-            ratios.append(StepSignal.ratio(*lr.dist.all_sum_tensor(sums).tolist()))
-    if sig is not None and todo:
-        sig.add(todo, ratios)
+        if sig is not None:  # part means m_i = part_i · n_global / n_i: their pair sums
+            m = [v.double() * (n_global / n) for v, n in zip(vecs, sizes)]
+            sums.append(pair_sums(torch.stack(m)) if m else torch.zeros(4, dtype=torch.float64))
+    if sig is not None and todo:  # one reduction over ranks for every step's sums
+        sig.add(todo, [StepSignal.ratio(*row) for row in lr.dist.all_sum_tensor(torch.stack(sums)).tolist()])
     manual = lr.dist.world > 1 and lr.dist.manual_grad_sync
     if manual and grads:  # every rank combines the global per-step gradients (norms of the sum over ranks)
         grads = list(lr.dist.all_sum_tensor(torch.stack(grads)).unbind(0))

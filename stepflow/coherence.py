@@ -10,12 +10,13 @@ the embedded world's ``train_steps`` were chosen (only step 0 is coherent there;
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import torch
 from torch import Tensor
 
-__all__ = ["mean_pairwise_cosine", "signal_fraction", "step_gradients", "StepSignal"]
+__all__ = ["chi2_quantile", "mean_pairwise_cosine", "pair_sums", "signal_fraction", "step_gradients", "StepSignal"]
 
 
 def _offdiag_mean(g: Tensor, normalize: bool) -> tuple[float, Tensor]:
@@ -39,6 +40,18 @@ def mean_pairwise_cosine(g: Tensor) -> float:
     Rows with zero norm count as cosine 0. An estimate of the signal fraction ρ (module docstring).
     """
     return _offdiag_mean(g, normalize=True)[0]
+
+
+def pair_sums(g: Tensor) -> Tensor:
+    """``[Σ_{i≠j} g_i·g_j, N(N−1), Σ_i |g_i|², N]`` of the rows of ``g`` (N, D) in float64 (N >= 1; zeros for N = 0):
+    the sums that add over ranks; :meth:`StepSignal.ratio` of them is :func:`signal_fraction` of all the rows'
+    pairs within a rank."""
+    if g.shape[0] == 0:
+        return torch.zeros(4, dtype=torch.float64)
+    gram = g.double() @ g.double().T
+    n, sq = g.shape[0], gram.diagonal().sum()
+    return torch.stack([gram.sum() - sq, torch.tensor(float(n * (n - 1)), dtype=torch.float64), sq,
+                        torch.tensor(float(n), dtype=torch.float64)])
 
 
 def signal_fraction(g: Tensor) -> float:
@@ -78,6 +91,7 @@ def step_gradients(learner, traj, adv: Tensor, steps: Sequence[int]) -> Tensor:
     return torch.stack(out)
 
 
+@functools.lru_cache(maxsize=64)
 def chi2_quantile(p: float, df: int) -> float:
     """The p-quantile of the χ² distribution with ``df`` degrees of freedom: the root of the regularised lower
     incomplete gamma function ``P(df/2, x/2) = p`` by bisection (to 1e-10 relative)."""
