@@ -4,8 +4,8 @@
 #   1. env          versions, nvidia-smi, imports (incl. deepspeed)                                          ~10 s
 #   2. sd35m        gpu_check.py --runs sd35_medium:lora,sd35_medium:full (B 8, T 10, T' 5, 512 px,
 #                   uniform + gain, 1 iteration each): the README's reference setting                        ~60 s
-#   3. strat_lora   python -m stepflow.train model=sd35_medium_random trainer=gpu trainer.strategy=S,
-#                   S = ddp, fsdp, deepspeed_stage_2, LoRA, one iteration (B 4, T 4, T' 2, gain) each         ~90 s
+#   3. strat_lora   python -m stepflow.train model=sd35_medium_random trainer=S trainer.devices=1,
+#                   S = ddp, fsdp (FSDP2), deepspeed (ZeRO-2), LoRA, one iteration (B 4, T 4, T' 2, gain) each         ~90 s
 #   4. big          gpu_check.py gain only, T 6: sd35_large lora, flux_dev lora, qwen_image lora,
 #                   sd35_large full (flux_dev / qwen_image full: estimated not to fit in 141 GB, skipped)     ~155 s
 #   5. strat_full   as 3 with model.finetune=full (no checkpoint file, no weights written)                    ~120 s
@@ -78,7 +78,7 @@ if ! "$PY" -c "$CORE$([ "$TINY" = 1 ] || echo ', deepspeed')" 2>/dev/null; then
     say "gpu_check.sh: diffusers/peft/omegaconf/hydra not importable and no wheels in .whl/ (see the header of this script)"
     exit 2
   else
-    say "gpu_check.sh: deepspeed is not importable and there are no wheels in .whl/: the deepspeed_stage_2 runs will fail"
+    say "gpu_check.sh: deepspeed is not importable and there are no wheels in .whl/: the trainer=deepspeed runs will fail"
   fi
 fi
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 WANDB_MODE=offline TOKENIZERS_PARALLELISM=false
@@ -111,8 +111,8 @@ if [ "$TINY" = 1 ]; then
   TRAINER=(trainer=cpu "model.tiny=true" "model.dtype=float32" "model.device=cpu")
 else
   GC_DEV=()
-  STRATEGIES=(ddp fsdp deepspeed_stage_2)
-  TRAINER=(trainer=gpu)
+  STRATEGIES=(ddp fsdp deepspeed)  # conf/trainer/<name>.yaml on one GPU
+  TRAINER=()
 fi
 
 # the command of one CLI run (strategy, finetune) -> CMD
@@ -120,7 +120,7 @@ cli_cmd() {
   local s=$1 ft=$2
   local extra=()
   [ "$ft" = full ] && extra=(model.save_weights=false callbacks.checkpoint=null train.lr=1e-5)
-  [ "$TINY" != 1 ] && extra+=("trainer.strategy=$s")
+  [ "$TINY" != 1 ] && extra+=("trainer=$s" "trainer.devices=1")
   CMD=("$PY" -m stepflow.train model=sd35_medium_random "${TRAINER[@]}" "model.finetune=$ft" "${extra[@]}"
        '~reward=shapes_geneval' +reward._target_=stepflow.policies.random_full.StandInReward
        +callbacks.memory._target_=stepflow.policies.random_full.peak_memory_callback

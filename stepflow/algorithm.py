@@ -22,7 +22,7 @@ from stepflow import stop
 from stepflow.advantage import AdvantageEstimator, AdvantageOut
 from stepflow.config import LoopConfig, TrainConfig
 from stepflow.data import GroupSampler, IterationPlan
-from stepflow.dist import Dist
+from stepflow.dist import Dist, clip_grad_norm
 from stepflow.loss import distill_loss, policy_loss
 from stepflow.policies.base import FlowPolicy
 from stepflow.rewards.base import Reward
@@ -281,7 +281,7 @@ def update(lr: Learner, traj: Trajectory, adv: Tensor, x0_hat: Tensor | None, it
         chunks = []
     times = traj.times.to(pol.device)
     params = list(pol.trainable_parameters())
-    stats: dict[str, list[Tensor]] = {}  # detached 0-d tensors: no host sync until the end of the update
+    stats = _Stats()  # row-weighted sums, detached 0-d tensors: no host sync until the end of the update
     pol.train()
     for chunk in chunks:
         n_global = dist.all_sum(len(chunk))
@@ -289,36 +289,41 @@ def update(lr: Learner, traj: Trajectory, adv: Tensor, x0_hat: Tensor | None, it
             continue
         lr.optimizer.zero_grad(set_to_none=True)
         mbs = [mb for mb in chunk.split(o.micro_batch_size) if len(mb)]  # a rank may hold none of a chunk's rows
+        # FSDP2 / DeepSpeed: every forward and backward is a collective, so every rank runs as many micro-batches as
+        # the rank with most; the extra ones are this rank's first row at loss weight 0 (no gradient, no statistic)
+        pads = [torch.zeros(1, dtype=torch.long)] * (int(dist.all_max(len(mbs))) - len(mbs) if dist.lockstep else 0)
 
-        def terms(k: int, rows_list, scale: float, n_global: float = n_global) -> None:  # step k, backward
-            for mb in rows_list:
+        def terms(k: int, rows_list, scale: float, last: bool = False, n_global: float = n_global,
+                  pads: list = pads) -> None:  # step k, backward
+            batches = [(mb, True) for mb in rows_list] + [(mb, False) for mb in pads]
+            for i, (mb, real) in enumerate(batches):
                 out = step_loss(lr, traj, adv, k, mb, times, x0_hat)
                 # each term is a mean over its rows: weighted, the step's loss is the mean over all rows of the
-                # chunk on all ranks (gradients are then summed over ranks), averaged over the steps
-                lr.backward(out.pop("loss") * (scale * len(mb) / n_global))
-                for name, v in out.items():
-                    stats.setdefault(name, []).append(v)
-                    if name in ("clip_frac", "kl"):
-                        stats.setdefault(f"{name}_step{k}", []).append(v)
+                # chunk on all ranks (gradients are then summed over ranks: grad_scale undoes a strategy's mean),
+                # averaged over the steps
+                w = scale * len(mb) / n_global * dist.grad_scale if real else 0.0
+                dist.boundary(last and i == len(batches) - 1)  # DeepSpeed: reduce and step after the chunk's last
+                lr.backward(out.pop("loss") * w)
+                if real:
+                    stats.add_terms(out, len(mb), k)
 
         if o.weighting == "grad_rms" or lr.signal is not None:
-            _per_step_update(lr, steps, chunk, n_global, mbs, groups, terms, params, stats, measure)
+            _per_step_update(lr, steps, chunk, n_global, mbs, groups, terms, params, stats.plain, measure)
         else:
-            for j, k in enumerate(steps):
-                terms(k, mbs, (1.0 if weights is None else float(weights[j])) / len(steps))
+            with dist.accumulating():
+                for j, k in enumerate(steps):
+                    terms(k, mbs, (1.0 if weights is None else float(weights[j])) / len(steps),
+                          last=j == len(steps) - 1)
         dist.all_reduce_grads(params)
-        if o.max_grad_norm > 0:
-            stats.setdefault("grad_norm", []).append(torch.nn.utils.clip_grad_norm_(params, o.max_grad_norm).detach())
-        lr.optimizer.step()
+        norm = clip_and_step(lr, params, o.max_grad_norm)
+        if norm is not None:
+            stats.plain.setdefault("grad_norm", []).append(norm)
         lr.opt_steps += 1
         if lr.on_optimizer_step is not None:
             lr.on_optimizer_step(lr.opt_steps - 1)
     pol.eval()
-    flat = {k: torch.stack([x.double() for x in v]).cpu() for k, v in stats.items()}  # one host sync
-    res = {f"train/{k}": float(v.sum()) / len(v) for k, v in flat.items()}
-    if "ratio_min" in flat:
-        res["train/ratio_min"], res["train/ratio_max"] = float(flat["ratio_min"].min()), float(flat["ratio_max"].max())
-    res["train/samples_trained"], res["train/steps_trained"] = float(len(rows)), float(len(steps))
+    res = stats.reduce(dist)
+    res["train/samples_trained"], res["train/steps_trained"] = dist.all_sum(len(rows)), float(len(steps))
     if weights is not None:
         res.update({f"train/weight_step{k}": float(w) for k, w in zip(steps, weights)})
     if lr.signal is not None:
@@ -328,6 +333,63 @@ def update(lr: Learner, traj: Trajectory, adv: Tensor, x0_hat: Tensor | None, it
         if q95 < float("inf"):  # Cochran's Q over its 95 % point: the weights leave uniform above 1
             res["train/signal_heterogeneity"], res["train/signal_tau2"] = q / q95, tau2
     return res
+
+
+class _Stats:
+    """The update's diagnostics: each term's value weighted by its rows (``add_terms``), reduced over ranks into
+    row-weighted means (``ratio_min`` / ``ratio_max``: global min / max); ``plain``: per-optimizer-step values, the
+    same on every rank (grad_norm, auto_steps), averaged."""
+
+    def __init__(self) -> None:
+        self.sums: dict[str, list[Tensor]] = {}
+        self.rows: dict[str, float] = {}
+        self.extremes: dict[str, list[Tensor]] = {"ratio_min": [], "ratio_max": []}
+        self.plain: dict[str, list[Tensor]] = {}
+
+    def add_terms(self, out: dict[str, Tensor], n: int, k: int) -> None:
+        for name, v in out.items():
+            if name in self.extremes:
+                self.extremes[name].append(v.detach())
+                continue
+            names = [name, f"{name}_step{k}"] if name in ("clip_frac", "kl") else [name]
+            for key in names:
+                self.sums.setdefault(key, []).append(v.detach().double() * n)
+                self.rows[key] = self.rows.get(key, 0.0) + n
+
+    def reduce(self, dist: Dist) -> dict[str, float]:
+        """One host sync; under several ranks one sum and one max over ranks (every rank must call it)."""
+        keys = dist.union(self.sums) if dist.world > 1 else sorted(self.sums)
+        sums = torch.stack([torch.stack(self.sums[k]).sum().cpu() if k in self.sums else torch.zeros((), dtype=torch.float64)
+                            for k in keys]) if keys else torch.zeros(0, dtype=torch.float64)
+        rows = torch.tensor([self.rows.get(k, 0.0) for k in keys], dtype=torch.float64)
+        both = dist.all_sum_tensor(torch.cat([sums, rows]))
+        sums, rows = both[:len(keys)], both[len(keys):]
+        res = {f"train/{k}": float(sums[i] / rows[i]) for i, k in enumerate(keys) if rows[i] > 0}
+        lo, hi = self.extremes["ratio_min"], self.extremes["ratio_max"]
+        ext = torch.tensor([-float(torch.stack(lo).min()) if lo else -float("inf"),
+                            float(torch.stack(hi).max()) if hi else -float("inf")], dtype=torch.float64)
+        ext = dist.all_max_tensor(ext)
+        if bool(torch.isfinite(ext).all()):
+            res["train/ratio_min"], res["train/ratio_max"] = -float(ext[0]), float(ext[1])
+        for k, v in self.plain.items():
+            res[f"train/{k}"] = float(torch.stack([x.double() for x in v]).cpu().mean())
+        return res
+
+
+def clip_and_step(lr: Learner, params: list, max_norm: float) -> Tensor | None:
+    """Clip the gradients to ``max_norm`` (0 = no clipping) and take the optimizer step; returns the gradient norm
+    before clipping (None without clipping). DeepSpeed clips inside its own step (``gradient_clipping`` in its config)
+    and reports the norm it clipped with; FSDP2's sharded gradients have their norm summed over ranks."""
+    engine = lr.dist.engine
+    if engine is not None:
+        lr.optimizer.step()
+        if max_norm <= 0:
+            return None
+        norm = engine.get_global_grad_norm()
+        return torch.as_tensor(float(norm), dtype=torch.float64)
+    norm = clip_grad_norm(params, max_norm) if max_norm > 0 else None
+    lr.optimizer.step()
+    return norm
 
 
 def _grad_vector(params: list) -> Tensor:
@@ -407,6 +469,13 @@ def step_loss(lr: Learner, traj: Trajectory, adv: Tensor, k: int, rows: Tensor, 
     x_k = traj.latents[rows, k].to(dev)
     cond = traj.cond.index(rows).to(dev)
     t, t_next = times[k], times[k + 1]
+    ref_mean = None
+    if o.beta_kl > 0 and not lr.distill:  # before the policy's forward: FSDP2 must not run a module forward between
+        # a forward with autograd and its backward (the no-grad forward reshards what the backward needs)
+        with torch.no_grad(), pol.reference():  # π_ref: the LoRA disabled, or the frozen initial transformer
+            v_ref = pol.velocity(x_k, t, cond, lr.guidance)
+            ref_mean = sde_step(lr.sampler, x_k, v_ref, t, t_next, t_guard=times[1],
+                                prev_sample=traj.latents[rows, k + 1].to(dev)).mean
     v = pol.velocity(x_k, t, cond, lr.guidance)
     a = adv[rows, k].to(dev)
     if lr.distill:  # student Tweedie at (x_t, t) vs sg[x̂0 two steps later] (X_T beyond the end)
@@ -415,11 +484,6 @@ def step_loss(lr: Learner, traj: Trajectory, adv: Tensor, k: int, rows: Tensor, 
         return {"loss": loss, "distill_loss": loss.detach()}
     x_next = traj.latents[rows, k + 1].to(dev)
     out = sde_step(lr.sampler, x_k, v, t, t_next, t_guard=times[1], prev_sample=x_next)
-    ref_mean = None
-    if o.beta_kl > 0:
-        with torch.no_grad(), pol.reference():  # π_ref: the LoRA disabled, or the frozen initial transformer
-            v_ref = pol.velocity(x_k, t, cond, lr.guidance)
-            ref_mean = sde_step(lr.sampler, x_k, v_ref, t, t_next, t_guard=times[1], prev_sample=x_next).mean
     lp, lp_old = out.log_prob, traj.log_probs[rows, k].to(dev)
     if o.weighting == "guard":  # GRPO-Guard: the noise-normalised log-ratio in place of log π_θ − log π_old
         from stepflow.loss import guard_log_ratio
@@ -433,9 +497,10 @@ def step_loss(lr: Learner, traj: Trajectory, adv: Tensor, k: int, rows: Tensor, 
             "adv_abs": a.abs().mean().detach()}
 
 
-def iteration_metrics(res: IterationResult, world: int) -> dict[str, float]:
+def iteration_metrics(res: IterationResult, world: int | Dist) -> dict[str, float]:
     """The metrics of one iteration (names in the README): rewards per step, advantages, update diagnostics,
-    seconds and NFEs per phase, images scored (counts summed over ranks)."""
+    seconds and NFEs per phase, images scored (counts summed over ranks: ``world`` = the Dist of the ranks, or a
+    world size to multiply this rank's counts by). Every rank must call it when given a Dist."""
     r = res.rewards[res.finite]  # the dropped rows' NaN / inf never reach a logged mean
     done = [k for k in range(r.shape[1]) if bool(torch.isfinite(r[:, k]).all())]  # the states that were scored
     m: dict[str, float] = {}
@@ -453,11 +518,14 @@ def iteration_metrics(res: IterationResult, world: int) -> dict[str, float]:
     s, n = res.phases.seconds, res.phases.nfe
     m.update({f"time/{p}_s": s.get(p, 0.0) for p in ("rollout", "estimate", "reward", "advantage", "update")})
     m["time/iteration_s"] = sum(s.values())
-    m.update({"cost/nfe": sum(n.values()) * world, "cost/nfe_rollout": n.get("rollout", 0) * world,
-              "cost/nfe_estimate": n.get("estimate", 0) * world, "cost/reward_calls": 1,
-              "cost/reward_images": res.scores.images * world,
+    counts = torch.tensor([sum(n.values()), n.get("rollout", 0), n.get("estimate", 0), res.scores.images,
+                           sum(res.phases.nfe_grad.values())], dtype=torch.float64)
+    # every rank's own counts summed (ranks differ: zero-weight micro-batches, a short evaluation shard)
+    counts = world.all_sum_tensor(counts) if isinstance(world, Dist) else counts * world
+    nfe, rollout_nfe, est_nfe, images, grad_nfe = (int(c) for c in counts.tolist())
+    m.update({"cost/nfe": nfe, "cost/nfe_rollout": rollout_nfe, "cost/nfe_estimate": est_nfe, "cost/reward_calls": 1,
+              "cost/reward_images": images,
               # a backward costs about two forwards: forward-equivalent NFEs of the iteration
-              "cost/nfe_backward": sum(res.phases.nfe_grad.values()) * world,
-              "cost/nfe_fwd_equiv": (sum(n.values()) + 2 * sum(res.phases.nfe_grad.values())) * world})
+              "cost/nfe_backward": grad_nfe, "cost/nfe_fwd_equiv": nfe + 2 * grad_nfe})
     m.update({f"mem/peak_gib_{p}": v for p, v in res.phases.peak_gib.items()})  # CUDA only
     return m

@@ -44,9 +44,16 @@ class ParamEMA:
                 p.copy_(b)
 
     def state_dict(self) -> dict:
-        return {"shadow": [s.clone() for s in self.shadow], "num_updates": self.num_updates}
+        """Whole tensors: FSDP2's sharded shadows are gathered (a collective: every rank calls it), so a checkpoint
+        loads onto any number of ranks."""
+        from stepflow.sharding import full_tensor
 
+        return {"shadow": [full_tensor(s).detach().cpu().clone() for s in self.shadow], "num_updates": self.num_updates}
+
+    @torch.no_grad()
     def load_state_dict(self, sd: dict) -> None:
+        from stepflow.sharding import local_shard_of
+
         for s, v in zip(self.shadow, sd["shadow"]):
-            s.copy_(v)
+            s.copy_(local_shard_of(v, s))
         self.num_updates = int(sd["num_updates"])

@@ -23,13 +23,14 @@ from stepflow.policies.base import FlowPolicy
 @torch.no_grad()
 def sample_ode(policy: FlowPolicy, prompts: Sequence[str], num_steps: int = 10, guidance: float = 1.0, seed: int = 0,
                batch_size: int = 64, generator: torch.Generator | None = None, offset: int = 0,
-               total: int | None = None) -> Tensor:
+               total: int | None = None, dist=None) -> Tensor:
     """Deterministic Euler ODE sampling on ``policy.time_grid(num_steps)`` (from t=1, noise, to t=0, data).
 
     ``x_{k+1} = x_k + (t_{k+1} - t_k) * v(x_k, t_k)`` with ``v = x1 - x0`` (rectified flow). The initial noise of all
     ``len(prompts)`` samples is drawn at once from ``seed`` (on the CPU), so a sample depends on its index and the seed,
     not on ``batch_size``. ``offset`` / ``total``: these prompts are samples ``offset..`` of ``total`` (a rank's shard of
     an evaluation), so they get the noise they would get in one process. NFE = ``num_steps`` (x2 with guidance != 1).
+    ``dist``: the ranks agree on a stop request before each batch (every rank must sample the same number of batches).
     Returns images (B, 3, H, W) in [0, 1] on the CPU.
     """
     prompts = list(prompts)
@@ -37,11 +38,16 @@ def sample_ode(policy: FlowPolicy, prompts: Sequence[str], num_steps: int = 10, 
         return torch.zeros(0, 3, *policy.latent_shape[1:])
     gen = generator if generator is not None else torch.Generator().manual_seed(int(seed))
     noise = torch.randn((total or len(prompts), *policy.latent_shape), generator=gen)[offset:offset + len(prompts)]
+    if len(noise) < len(prompts):  # padding rows beyond ``total`` (a rank's short shard): any noise, dropped later
+        noise = torch.cat([noise, torch.zeros(len(prompts) - len(noise), *policy.latent_shape)])
     grid = policy.time_grid(num_steps).float().tolist()
     dev = policy.device
     out = []
     for i in range(0, len(prompts), batch_size):
-        stop.check()  # a stop request abandons a long evaluation between batches
+        if dist is None:  # a stop request abandons a long evaluation between batches
+            stop.check()
+        elif dist.stop_requested():
+            raise stop.StopRequested(stop.reason())
         x = noise[i:i + batch_size].to(dev)
         cond = policy.encode(prompts[i:i + batch_size])
         for t, t_next in zip(grid[:-1], grid[1:]):
@@ -111,8 +117,11 @@ def evaluate_reward(policy: FlowPolicy, reward, records: Sequence[dict[str, Any]
     per = -(-n // world)
     mine = list(records[rank * per:(rank + 1) * per])
     prompts = [r["prompt"] for r in mine]
-    images = sample_ode(policy, prompts, num_steps=num_steps, guidance=guidance, seed=seed, batch_size=batch_size,
-                        offset=rank * per, total=n)
+    # every rank samples `per` prompts when the transformer's passes are collectives (FSDP2, DeepSpeed) or the ranks
+    # agree on stopping per batch: the last rank's short slice is padded with the first prompt, its images dropped
+    padded = prompts + [records[0]["prompt"]] * (per - len(prompts)) if world > 1 else prompts
+    images = sample_ode(policy, padded, num_steps=num_steps, guidance=guidance, seed=seed, batch_size=batch_size,
+                        offset=rank * per, total=n, dist=dist if world > 1 else None)[:len(prompts)]
     out = reward(images, prompts, mine) if mine else None
     tags = [r.get("tag", r.get("category")) for r in records]
     cols = [out.scores.float() if out is not None else torch.zeros(0)]

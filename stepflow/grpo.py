@@ -60,6 +60,9 @@ class GRPOModule(L.LightningModule):
         self.stop_signal: str | None = None  #: SIGTERM / SIGINT when a signal stopped the run
         self._pbar = None
         self._optimizer = None
+        from stepflow.sharding import same_graph_as_fsdp
+
+        same_graph_as_fsdp(policy.transformer)  # the same backward sums under every strategy (full fine-tuning)
         if train.beta_kl > 0:
             policy.prepare_reference()  # full fine-tuning: copy π_ref before any weight (or EMA swap) changes it
         if loop.compile:
@@ -85,6 +88,23 @@ class GRPOModule(L.LightningModule):
             raise ValueError("lora.rank: the policy has nothing to train (a LoRA with lora.rank > 0, or model.finetune=full)")
         o = self.train_cfg
         return torch.optim.AdamW(params, lr=o.lr, betas=tuple(o.betas), weight_decay=o.weight_decay, eps=o.adam_eps)
+
+    def configure_model(self) -> None:
+        """FSDP2 (``trainer=fsdp``): shard the transformer per block, and the frozen full-fine-tuning reference the
+        same way; then the EMA is rebuilt on the sharded parameters (the optimizer is built after this hook). Other
+        strategies: nothing to do."""
+        from stepflow.sharding import is_sharded
+
+        strategy = self._trainer.strategy if self._trainer is not None else None
+        if not hasattr(strategy, "shard") or is_sharded(self.policy.transformer):
+            return
+        strategy.shard(self.policy.transformer)
+        ref = getattr(self.policy, "_ref_copy", None)
+        if ref:
+            strategy.shard(ref[0])
+        if self.ema is not None:  # fully_shard replaced the parameters: track the new (sharded) ones
+            self.ema = ParamEMA(self.policy.trainable_parameters(), self.ema.decay, self.ema.update_every)
+            self.learner.on_optimizer_step = self.ema.step
 
     def _backward(self, loss: torch.Tensor) -> None:
         if self._trainer is not None:
@@ -139,8 +159,10 @@ class GRPOModule(L.LightningModule):
     def on_train_end(self) -> None:
         if self._pbar is not None:
             self._pbar.close()
-        if self.global_rank == 0 and self.stop_reason is None:
-            self.save_outputs()
+        if self.stop_reason is None:
+            state = self._gathered_trained()  # every rank: sharded weights are gathered by a collective
+            if self.global_rank == 0:
+                self.save_outputs(state)
 
     def training_step(self, batch: Any, batch_idx: int) -> None:
         if self.iteration >= self.loop.iterations or self.stop_reason:  # a finished run resumed, or stopping
@@ -190,7 +212,7 @@ class GRPOModule(L.LightningModule):
             d.mkdir(parents=True, exist_ok=True)
             torch.save({"rewards": res.rewards, "advantages": res.advantages.advantages,
                         "group_ids": res.plan.group_ids, "prompts": res.plan.prompts}, d / f"iter_{self.iteration:04d}.pt")
-        m = iteration_metrics(res, lr.dist.world)
+        m = iteration_metrics(res, lr.dist)
         self.iteration += 1
         self.nfe_total += int(m["cost/nfe"])
         self.reward_images_total += int(m["cost/reward_images"])
@@ -224,15 +246,27 @@ class GRPOModule(L.LightningModule):
             self._log(res)
         return res
 
-    def save_outputs(self) -> None:
-        """Reward-curve PNG and the (EMA) adapter in diffusers format."""
+    def save_outputs(self, state: dict[str, torch.Tensor] | None = None) -> None:
+        """Reward-curve PNG and the (EMA) adapter in diffusers format (``state``: gathered from shards)."""
         from stepflow.plots import plot_curves
 
         plot_curves(self.history, self.run_dir / "reward_curve.png")
-        self.save_trained(self.run_dir / self.policy.trained_subdir)
+        self.save_trained(self.run_dir / self.policy.trained_subdir, state)
 
-    def save_trained(self, out_dir: str | Path) -> Path:
+    def _gathered_trained(self) -> dict[str, torch.Tensor] | None:
+        """FSDP2: the (EMA) trained weights gathered whole on rank 0 (every rank must call it); None unsharded."""
+        from stepflow.sharding import full_trained_state, is_sharded
+
+        if not is_sharded(self.policy.transformer):
+            return None
+        with self.ema.applied() if self.ema is not None else contextlib.nullcontext():
+            return full_trained_state(self.policy, self.policy.finetune == "full")
+
+    def save_trained(self, out_dir: str | Path, state: dict[str, torch.Tensor] | None = None) -> Path:
         """Write the (EMA) trained weights in diffusers format: the LoRA (``pipe.load_lora_weights(dir)``), or the
-        fully fine-tuned transformer (``transformer.save_pretrained``)."""
+        fully fine-tuned transformer (``transformer.save_pretrained``). ``state``: the weights gathered from FSDP2
+        shards (:meth:`_gathered_trained`, EMA already applied), written instead of the live ones."""
+        if state is not None:
+            return self.policy.save_trained(out_dir, state_dict=state)
         with self.ema.applied() if self.ema is not None else contextlib.nullcontext():
             return self.policy.save_trained(out_dir)

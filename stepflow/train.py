@@ -141,6 +141,33 @@ def build_trainer(cfg: DictConfig, run_dir: Path):
                        use_distributed_sampler=False, log_every_n_steps=1, default_root_dir=str(run_dir))
 
 
+def _deepspeed_env(cfg: DictConfig) -> None:
+    """DeepSpeed picks its accelerator when first imported: on the CPU (``trainer.accelerator=cpu``) it must be told."""
+    import os
+
+    t = cfg.get("trainer") or {}
+    strategy = t.get("strategy")
+    target = strategy.get("_target_", "") if isinstance(strategy, DictConfig) else str(strategy or "")
+    if "deepspeed" in target.lower() and t.get("accelerator") == "cpu":
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
+
+def check_strategy(trainer, train: TrainConfig) -> None:
+    """One-line errors for what a sharded strategy (FSDP2, DeepSpeed) cannot run: the per-step gradient schemes
+    (``train.weighting=grad_rms``, ``train.train_steps=auto``) read and rewrite whole ``p.grad`` tensors, which FSDP2
+    shards and DeepSpeed keeps in its own partitions."""
+    from stepflow.dist import strategy_kind
+
+    kind = strategy_kind(trainer.strategy)
+    if kind not in ("fsdp", "deepspeed"):
+        return
+    what = ("train.weighting=grad_rms" if train.weighting == "grad_rms"
+            else "train.train_steps=auto" if train.train_steps == "auto" else None)
+    if what:
+        raise StepflowError(f"{what}: combines whole per-step gradients, which trainer={kind} shards; use trainer=ddp "
+                            "(or ddp_cpu) for it, or another train.weighting / explicit train.train_steps")
+
+
 def run(cfg: DictConfig, run_dir: Path):
     """Build and fit; returns the trained :class:`~stepflow.grpo.GRPOModule`.
 
@@ -163,8 +190,10 @@ def run(cfg: DictConfig, run_dir: Path):
             OmegaConf.save(cfg, run_dir / "config.yaml", resolve=True)
         if cfg.get("torch_threads"):  # oversubscribed OpenMP threads on a shared CPU are ~10x slower than one each
             torch.set_num_threads(int(cfg.torch_threads))
+        _deepspeed_env(cfg)
         module = build_module(cfg, run_dir)
         trainer = build_trainer(cfg, run_dir)
+        check_strategy(trainer, module.train_cfg)
         ticks = DataLoader(list(range(1)), batch_size=None)  # one "batch" per epoch = one GRPO iteration
         try:
             trainer.fit(module, train_dataloaders=ticks, ckpt_path=str(ckpt) if ckpt else None)

@@ -126,3 +126,54 @@ def test_uniform_credit_is_flow_grpos_released_setting():
     assert compose_config("train", ["advantage=uniform"]).advantage.std_scope == "global"
     assert compose_config("train", ["experiment=paper_fig6_sde", "advantage=uniform"]).advantage.std_scope == "global"
     assert compose_config("train").advantage.std_scope == "group"
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# sharded strategies and multi-node launch (the runs themselves: tests/test_sharded.py)
+# ------------------------------------------------------------------------------------------------------------------
+def test_fsdp_config_builds_fsdp2_over_every_rank():
+    """trainer=fsdp: stepflow's FSDP2 strategy (Lightning's ModelParallelStrategy), bf16 compute with fp32 gradient
+    reduction for a bf16 model, gradients sharded per backward for full fine-tuning (auto)."""
+    import hydra.utils
+    import torch
+
+    from stepflow.dist import reduces_every_backward, strategy_kind
+    from stepflow.sharding import FSDP2Strategy
+
+    cfg = compose_config("train", ["trainer=fsdp", "model=sd35_medium"])
+    s = hydra.utils.instantiate(cfg.trainer.strategy)
+    assert isinstance(s, FSDP2Strategy) and strategy_kind(s) == "fsdp"
+    assert (s.param_dtype, s.reduce_dtype) == (torch.bfloat16, torch.float32)
+    assert reduces_every_backward(s, full_finetune=True) and not reduces_every_backward(s, full_finetune=False)
+    assert (cfg.trainer.devices, cfg.trainer.accelerator) == (8, "gpu")
+    cpu = compose_config("train", ["trainer=fsdp_cpu"])
+    s = hydra.utils.instantiate(cpu.trainer.strategy)
+    assert s.param_dtype is None and not reduces_every_backward(s, full_finetune=True)  # the exact mode, tested
+    with pytest.raises(ValueError, match="trainer.strategy.param_dtype"):
+        FSDP2Strategy(param_dtype="float8")
+
+
+def test_deepspeed_config_clips_as_the_train_config_says():
+    import hydra.utils
+
+    from stepflow.dist import strategy_kind
+
+    cfg = compose_config("train", ["trainer=deepspeed", "train.max_grad_norm=0.5"])
+    s = hydra.utils.instantiate(cfg.trainer.strategy)
+    assert strategy_kind(s) == "deepspeed"  # not "ddp", though Lightning's DeepSpeedStrategy subclasses DDPStrategy
+    assert s.config["zero_optimization"]["stage"] == 2 and s.config["gradient_clipping"] == 0.5
+    from hydra.errors import InstantiationException
+
+    with pytest.raises(InstantiationException, match="trainer.strategy.stage: ZeRO stage 3"):
+        hydra.utils.instantiate(compose_config("train", ["trainer=deepspeed", "trainer.strategy.stage=3"]).trainer.strategy)
+
+
+@pytest.mark.parametrize("trainer", ["ddp", "fsdp", "deepspeed"])
+def test_slurm_launcher_takes_nodes_and_gpus_from_the_trainer(trainer):
+    """N nodes over SLURM: one job of trainer.num_nodes nodes x trainer.devices tasks (one per GPU); Lightning
+    takes the ranks from SLURM (its SLURMEnvironment), whatever the strategy."""
+    cfg = compose_config("train", [f"trainer={trainer}", "trainer.num_nodes=4", "hydra/launcher=slurm"],
+                         return_hydra_config=True)
+    lc = cfg.hydra.launcher
+    assert (lc.nodes, lc.tasks_per_node, lc.gpus_per_node) == (4, 8, 8)
+    assert cfg.trainer.num_nodes == 4

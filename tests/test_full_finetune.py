@@ -189,8 +189,17 @@ def test_save_trained_writes_a_given_state_dict(dirs, tmp_path):
     loaded = type(pol.transformer).from_pretrained(str(out)).state_dict()
     assert loaded.keys() == state.keys() and all(torch.equal(loaded[k], state[k]) for k in state)
     assert not torch.equal(next(iter(pol.transformer.parameters())), next(iter(loaded.values())))  # live untouched
-    with pytest.raises(ValueError, match="finetune=full"):
-        _load("flux", dirs["flux"], lora={"rank": 2}).save_trained(tmp_path / "l", state_dict=state)
+    # a LoRA: the given LoRA weights (keys as transformer.state_dict(), e.g. gathered from FSDP2 shards) are written
+    lora = _load("flux", dirs["flux"], lora={"rank": 2})
+    given = {k: v + 0.5 for k, v in lora.transformer.state_dict().items() if "lora_" in k}
+    from safetensors.torch import load_file
+
+    written = load_file(str(lora.save_trained(tmp_path / "l", state_dict=given) / "pytorch_lora_weights.safetensors"))
+    assert len(written) == len(given) > 0
+    live = {k: v for k, v in lora.lora_state_dict().items()}
+    for k, v in lora.lora_state_dict(given).items():
+        assert torch.equal(written[f"transformer.{k}" if f"transformer.{k}" in written else k], v)
+        assert not torch.equal(v, live[k])
 
 
 def test_missing_transformer_path_is_one_line_error(dirs, tmp_path):

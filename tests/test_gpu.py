@@ -1,8 +1,11 @@
 """GPU smoke runs (``pytest -m gpu`` on a CUDA machine; skipped elsewhere): one GRPO iteration of the tiny SD3 pipeline
-in bf16 under each Lightning strategy the project ships (DDP, FSDP, DeepSpeed ZeRO-2), one device each.
+in bf16 under each trainer config the project ships for GPUs (``trainer=ddp``, ``fsdp`` = FSDP2, ``deepspeed`` =
+ZeRO-2), one device each.
 
-Lightning refuses FSDP and DeepSpeed on the CPU, so these are the only tests of those strategies; they use the
-same entry point a user runs (``python -m stepflow.train``) and check its outputs. The full-size tests at the end
+The sharded strategies' correctness (equal to DDP, global metrics, resume, multi-node) is tested on the CPU
+(``tests/test_sharded.py``: ``trainer=fsdp_cpu`` / ``deepspeed_cpu`` on 2 gloo processes); these runs check what
+only a GPU shows (NCCL, bf16 mixed precision, memory) through the entry point a user runs
+(``python -m stepflow.train``). The full-size tests at the end
 build the published architectures with random weights (``stepflow.policies.random_full``, ``model=*_random``): one
 gain iteration of each model through ``experiments/gpu_check.py``, and the strategies x {LoRA, full} on SD3.5-Medium
 (they need ~40 GB for Qwen-Image's LoRA; an 80 GB GPU holds every one of them).
@@ -18,15 +21,15 @@ from conftest import run_cli
 
 pytestmark = pytest.mark.gpu
 
-STRATEGIES = ["ddp", "fsdp", "deepspeed_stage_2"]
+STRATEGIES = ["ddp", "fsdp", "deepspeed"]  #: conf/trainer/<name>.yaml, on one device
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_one_iteration_of_tiny_sd3_in_bf16(tmp_path, strategy):
     if strategy.startswith("deepspeed") and importlib.util.find_spec("deepspeed") is None:
-        pytest.skip("deepspeed is not installed (pip install -e '.[deepspeed]')")
-    r = run_cli("stepflow.train", "experiment=smoke", "model=sd3_tiny", "model.dtype=bfloat16", "trainer=gpu",
-                f"trainer.strategy={strategy}", "loop.iterations=2", "eval.max_prompts=4", "advantage=gain",
+        pytest.skip("deepspeed is not installed (make install installs it)")
+    r = run_cli("stepflow.train", "experiment=smoke", "model=sd3_tiny", "model.dtype=bfloat16", f"trainer={strategy}",
+                "trainer.devices=1", "loop.iterations=2", "eval.max_prompts=4", "advantage=gain",
                 f"hydra.run.dir={tmp_path}", env={"STEPFLOW_CACHE": str(tmp_path / "cache")}, timeout=900)
     assert r.returncode == 0, r.stderr[-3000:]
     with (tmp_path / "metrics.csv").open() as fh:
@@ -68,9 +71,9 @@ def test_one_iteration_of_full_size_sd35_medium_random(tmp_path, strategy, finet
     """python -m stepflow.train model=sd35_medium_random (2.5 B, bf16, random weights) under each strategy on one
     GPU, LoRA and full fine-tuning (full: no checkpoint file, no weights written)."""
     if strategy.startswith("deepspeed") and importlib.util.find_spec("deepspeed") is None:
-        pytest.skip("deepspeed is not installed (pip install -e '.[deepspeed]')")
+        pytest.skip("deepspeed is not installed (make install installs it)")
     extra = ["model.save_weights=false", "callbacks.checkpoint=null", "train.lr=1e-5"] if finetune == "full" else []
-    r = run_cli("stepflow.train", "model=sd35_medium_random", "trainer=gpu", f"trainer.strategy={strategy}",
+    r = run_cli("stepflow.train", "model=sd35_medium_random", f"trainer={strategy}", "trainer.devices=1",
                 f"model.finetune={finetune}", *extra, "~reward=shapes_geneval",
                 "+reward._target_=stepflow.policies.random_full.StandInReward",
                 "+callbacks.memory._target_=stepflow.policies.random_full.peak_memory_callback",

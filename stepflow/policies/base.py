@@ -308,11 +308,13 @@ class FlowPolicy(nn.Module):
         finally:
             self.transformer.enable_adapters()
 
-    def lora_state_dict(self) -> dict[str, Tensor]:
-        """The adapter's weights in peft's key format (what diffusers' ``save_lora_weights`` expects)."""
+    def lora_state_dict(self, state_dict: dict[str, Tensor] | None = None) -> dict[str, Tensor]:
+        """The adapter's weights in peft's key format (what diffusers' ``save_lora_weights`` expects); ``state_dict``:
+        the LoRA weights to convert instead of the live ones (keys as ``transformer.state_dict()``, e.g. gathered
+        from FSDP2 shards)."""
         from peft.utils import get_peft_model_state_dict
 
-        return get_peft_model_state_dict(self.transformer)
+        return get_peft_model_state_dict(self.transformer, state_dict=state_dict)
 
     def _lora_writer(self):
         """The diffusers pipeline class whose ``save_lora_weights`` writes this model's LoRA files (its own
@@ -324,7 +326,7 @@ class FlowPolicy(nn.Module):
 
         return StableDiffusion3Pipeline
 
-    def save_lora(self, directory) -> Path:
+    def save_lora(self, directory, state_dict: dict[str, Tensor] | None = None) -> Path:
         """Write the adapter as ``pytorch_lora_weights.safetensors`` that diffusers' ``load_lora_weights`` reads,
         with the peft config (rank, alpha, targets) as metadata so the reloaded scale alpha/rank is right."""
         if not self.has_lora:
@@ -333,7 +335,7 @@ class FlowPolicy(nn.Module):
         directory.mkdir(parents=True, exist_ok=True)
         config = self.transformer.peft_config["default"].to_dict()
         config = {k: (sorted(v) if isinstance(v, set) else v) for k, v in config.items()}
-        state = {k: v.detach().cpu().contiguous() for k, v in self.lora_state_dict().items()}
+        state = {k: v.detach().cpu().contiguous() for k, v in self.lora_state_dict(state_dict).items()}
         self._lora_writer().save_lora_weights(str(directory), transformer_lora_layers=state,
                                               transformer_lora_adapter_metadata=config, safe_serialization=True)
         return directory
@@ -428,13 +430,12 @@ class FlowPolicy(nn.Module):
         ``pipe.load_lora_weights(directory)``) or, fully fine-tuned, the transformer (``transformer.save_pretrained``:
         ``<TransformerClass>.from_pretrained(directory)``, then ``<Pipeline>.from_pretrained(base, transformer=...)``).
 
-        ``state_dict`` (full fine-tuning): the transformer's weights to write instead of the live ones, e.g. a full
-        state dict gathered from FSDP / ZeRO-3 shards on rank 0, or EMA weights (keys as ``transformer.state_dict()``).
+        ``state_dict``: the transformer's weights to write instead of the live ones (every weight when fine-tuned
+        fully, the LoRA weights otherwise), e.g. gathered from FSDP2 shards on rank 0, or EMA weights (keys as
+        ``transformer.state_dict()``).
         """
         if self.finetune != "full":
-            if state_dict is not None:
-                raise ValueError("save_trained: state_dict is for finetune=full; a LoRA is written from the adapter")
-            return self.save_lora(directory)
+            return self.save_lora(directory, state_dict)
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
         model = self.transformer
