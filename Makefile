@@ -15,6 +15,9 @@ $(STAMP): pyproject.toml constraints.txt
 	test -x $(VPY) || $(PY) -m venv $(VENV)
 	$(VPY) -m pip install -q --upgrade pip
 	$(VPY) -m pip install -q -c constraints.txt -e ".[dev,launchers]"
+	# deepspeed (trainer=deepspeed / deepspeed_cpu) builds from source against the torch just installed: no build
+	# isolation, no compiled ops (DeepSpeed JIT-builds what it needs on first use)
+	DS_BUILD_OPS=0 $(VPY) -m pip install -q -c constraints.txt --no-build-isolation deepspeed
 	touch $(STAMP)
 
 train: install
