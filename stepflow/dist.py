@@ -180,19 +180,34 @@ def strategy_kind(strategy) -> str:
     """``ddp`` / ``fsdp`` (FSDP2: Lightning's ModelParallelStrategy and stepflow's subclass) / ``deepspeed`` /
     ``single`` for a Lightning strategy. DeepSpeed is checked first: Lightning's DeepSpeedStrategy subclasses
     DDPStrategy, but reduces its own gradients (in ZeRO partitions, not ``p.grad``)."""
-    from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy, ModelParallelStrategy
+    from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, FSDPStrategy, ModelParallelStrategy
 
-    try:
-        from lightning.pytorch.strategies import DeepSpeedStrategy
-    except ImportError:  # pragma: no cover - lightning always ships the class; deepspeed itself may be absent
-        DeepSpeedStrategy = ()
-    if DeepSpeedStrategy and isinstance(strategy, DeepSpeedStrategy):
+    cls = strategy if isinstance(strategy, type) else type(strategy)
+    if isinstance(strategy, str):  # a Lightning registry name: "ddp", "fsdp", "deepspeed_stage_2", ...
+        name = strategy.lower()
+        return next((k for k in ("deepspeed", "fsdp", "ddp") if name.startswith(k)), "single")
+    if issubclass(cls, DeepSpeedStrategy):
         return "deepspeed"
-    if isinstance(strategy, (ModelParallelStrategy, FSDPStrategy)):
+    if issubclass(cls, (ModelParallelStrategy, FSDPStrategy)):
         return "fsdp"
-    if isinstance(strategy, DDPStrategy):
+    if issubclass(cls, DDPStrategy):
         return "ddp"
     return "single"
+
+
+def strategy_kind_of_config(trainer_cfg) -> str:
+    """:func:`strategy_kind` of a ``trainer`` config node (its ``strategy``: a name or a ``_target_`` node), without
+    building the Trainer."""
+    node = (trainer_cfg or {}).get("strategy")
+    target = node.get("_target_") if hasattr(node, "get") else None
+    if target is None:
+        return strategy_kind(str(node or "auto"))
+    import hydra.utils
+
+    try:
+        return strategy_kind(hydra.utils.get_class(target))
+    except Exception:  # noqa: BLE001 - an unknown target fails later, with the Trainer's own error
+        return "single"
 
 
 def clip_grad_norm(params: Iterable[torch.nn.Parameter], max_norm: float) -> Tensor:

@@ -152,13 +152,14 @@ def _deepspeed_env(cfg: DictConfig) -> None:
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 
-def check_strategy(trainer, train: TrainConfig) -> None:
-    """One-line errors for what a sharded strategy (FSDP2, DeepSpeed) cannot run: the per-step gradient schemes
-    (``train.weighting=grad_rms``, ``train.train_steps=auto``) read and rewrite whole ``p.grad`` tensors, which FSDP2
-    shards and DeepSpeed keeps in its own partitions."""
-    from stepflow.dist import strategy_kind
+def check_strategy(cfg: DictConfig) -> None:
+    """One-line errors for what a sharded strategy (FSDP2, DeepSpeed) cannot run, before anything is built: the
+    per-step gradient schemes (``train.weighting=grad_rms``, ``train.train_steps=auto``) read and rewrite whole
+    ``p.grad`` tensors, which FSDP2 shards and DeepSpeed keeps in its own partitions."""
+    from stepflow.dist import strategy_kind_of_config
 
-    kind = strategy_kind(trainer.strategy)
+    kind = strategy_kind_of_config(cfg.get("trainer"))
+    train = to_config(cfg.train, TrainConfig, "train")
     if kind not in ("fsdp", "deepspeed"):
         return
     what = ("train.weighting=grad_rms" if train.weighting == "grad_rms"
@@ -191,9 +192,9 @@ def run(cfg: DictConfig, run_dir: Path):
         if cfg.get("torch_threads"):  # oversubscribed OpenMP threads on a shared CPU are ~10x slower than one each
             torch.set_num_threads(int(cfg.torch_threads))
         _deepspeed_env(cfg)
+        check_strategy(cfg)
         module = build_module(cfg, run_dir)
         trainer = build_trainer(cfg, run_dir)
-        check_strategy(trainer, module.train_cfg)
         ticks = DataLoader(list(range(1)), batch_size=None)  # one "batch" per epoch = one GRPO iteration
         try:
             trainer.fit(module, train_dataloaders=ticks, ckpt_path=str(ckpt) if ckpt else None)

@@ -75,10 +75,13 @@ def test_sharded_trains_as_ddp(runs, trainer, finetune):
     assert float(ddp[1]["train/kl"]) == 0.0 < float(ddp[2]["train/kl"])  # the KL term is live after step 1
 
 
-def test_fsdp_reducing_every_backward_has_ddp_gradient(runs, tmp_path):
-    """``reduce_every_backward=true`` (sharded gradients, ``auto``'s choice for full fine-tuning) sums the ranks per
-    backward: the same gradient as DDP up to rounding (iteration 1, before any weight differs), not bit for bit."""
-    _train(tmp_path, "loop.iterations=1", "trainer=fsdp_cpu", "trainer.strategy.reduce_every_backward=true",
+@pytest.mark.parametrize("trainer", ["fsdp_cpu", "deepspeed_cpu"])
+def test_reducing_every_backward_has_ddp_gradient(runs, tmp_path, trainer):
+    """``reduce_every_backward=true`` (sharded gradients, ``auto``'s choice for full fine-tuning; ZeRO-2's own
+    protocol with the accumulation boundary) sums the ranks per backward: the same gradient as DDP up to rounding
+    (iteration 1, before any weight differs), not bit for bit. Without the boundary ZeRO-2 keeps only the last
+    backward's gradient, and without the world-size scale the gradient is halved: either fails here."""
+    _train(tmp_path, "loop.iterations=1", f"trainer={trainer}", "trainer.strategy.reduce_every_backward=true",
            "model.finetune=full")
     ddp, got = metrics(runs("ddp_cpu", "full")), metrics(tmp_path)
     for k in KEYS:

@@ -330,3 +330,40 @@ def test_estimate_chunks_give_the_same_estimates(tmp_path):
     full = estimate_states(lr.policy, traj, 2, 1.0)
     for chunk in (3, 7):
         torch.testing.assert_close(estimate_states(lr.policy, traj, 2, 1.0, chunk_size=chunk), full, atol=1e-5, rtol=0)
+
+
+def test_lockstep_padding_micro_batches_train_nothing(tmp_path, monkeypatch):
+    """Under FSDP2 / DeepSpeed a rank with fewer micro-batches than another (or none of a chunk's rows) runs extra
+    ones at loss weight 0, so every rank makes the same forward / backward passes. Here one process stands in for a
+    rank whose peer holds 3 micro-batches more per chunk: it runs exactly those extra passes, and its gradient,
+    weights and logged statistics are those of the run without them."""
+    from stepflow import dist as dist_mod
+    from stepflow.train import build_module
+
+    class Peer(dist_mod.Dist):  # a rank whose peer has 3 more micro-batches in every chunk
+        def all_max(self, x: float) -> float:
+            return float(x) + 3
+
+    def run(lockstep: bool):
+        torch.manual_seed(0)
+        # a continuous reward: every row (the padding row too) has an advantage, so a padding row given any weight
+        # would move the weights
+        module = build_module(make_cfg("model=sd3_tiny", "reward=pickscore_tiny", "loop.iterations=1",
+                                       "train.micro_batch_size=2", "train.beta_kl=0.04"), tmp_path / str(lockstep))
+        monkeypatch.setattr(dist_mod.Dist, "from_module", classmethod(
+            lambda cls, m: Peer(device=m.device, lockstep=True) if lockstep else dist_mod.Dist(device=m.device)))
+        m = module.iterate()
+        return m, [p.detach().clone() for p in module.policy.trainable_parameters()]
+
+    plain, w_plain = run(False)
+    padded, w_padded = run(True)
+    assert plain["train/steps_trained"] > 0 and plain["train/samples_trained"] > 0
+    for a, b in zip(w_plain, w_padded):
+        torch.testing.assert_close(b, a, rtol=0, atol=0)
+    for k in ("train/policy_loss", "train/kl", "train/grad_norm", "train/clip_frac", "train/samples_trained"):
+        assert padded[k] == plain[k], k
+    # the extra passes ran: 3 zero-weight micro-batches (of one row) per trained step, each a forward with grad
+    # and (beta > 0) one without for the reference
+    steps = int(plain["train/steps_trained"])
+    assert padded["cost/nfe_backward"] - plain["cost/nfe_backward"] == 3 * steps
+    assert padded["cost/nfe"] - plain["cost/nfe"] == 3 * steps * 2
