@@ -250,8 +250,8 @@ def test_memory_estimate_orders_and_parts():
         ddp, fsdp, ds = (rf.memory_estimate(c, ft, s, 8)["total"] for s in rf.STRATEGIES)
         assert fsdp < ddp and ds <= ddp + 1e-9
     assert rf.memory_estimate(c, "full", "fsdp", 1)["total"] > rf.memory_estimate(c, "full", "fsdp", 8)["total"]
-    fsdp, ds = rf.memory_estimate(c, "full", "fsdp", 8), rf.memory_estimate(c, "full", "deepspeed_stage_2", 8)
-    assert fsdp["weights"] == pytest.approx(w / 8) and fsdp["reference"] == pytest.approx(w)  # the copy stays whole
+    fsdp, ds = rf.memory_estimate(c, "full", "fsdp", 8), rf.memory_estimate(c, "full", "deepspeed", 8)
+    assert fsdp["weights"] == pytest.approx(w / 8) and fsdp["reference"] == pytest.approx(w / 8)  # sharded too
     assert ds["weights"] == pytest.approx(w) and ds["adam"] == pytest.approx(8 * c["transformer"] / 8 / gib)
     table = rf.memory_table(counts={m: rf.param_counts(m) for m in rf.MODELS})
     lines = table.splitlines()

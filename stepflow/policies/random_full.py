@@ -421,7 +421,7 @@ def param_counts(model: str, lora_rank: int = 32, targets: Sequence[str] | None 
 
 
 #: strategies of :func:`memory_estimate`
-STRATEGIES = ("ddp", "fsdp", "deepspeed_stage_2")
+STRATEGIES = ("ddp", "fsdp", "deepspeed")  #: conf/trainer/<name>.yaml
 
 
 def memory_estimate(counts: Mapping[str, int], finetune: str, strategy: str = "ddp", world: int = 1,
@@ -436,10 +436,12 @@ def memory_estimate(counts: Mapping[str, int], finetune: str, strategy: str = "d
     - the optimizer step's temporary: torch's foreach AdamW allocates one more copy of the second moment's square
       root (n·b, of the shard it steps);
     - ``ddp``: all of that on every GPU, plus DDP's gradient buckets n·b;
-    - ``fsdp`` (FULL_SHARD with a wrap per transformer block): weights, gradients and moments divided by ``world``;
-      the EMA shadow and the reference copy are made before the strategy wraps the model, so they stay whole;
-    - ``deepspeed_stage_2`` (ZeRO-2): weights replicated; gradients, an fp32 master copy and fp32 moments of the
-      trained weights partitioned: (4 + 4 + 8)·n / world, plus a reduce bucket (Lightning's 2e8 elements) in bf16.
+    - ``fsdp`` (FSDP2, ``fully_shard`` per transformer block, ``reduce_every_backward=auto``): weights, moments, the
+      EMA shadow and the reference copy (both made on the sharded weights) divided by ``world``; gradients sharded
+      when fine-tuning fully, whole for LoRA (accumulated on each rank, reduced once per step);
+    - ``deepspeed`` (ZeRO-2): weights replicated; gradients, an fp32 master copy and fp32 moments of the trained
+      weights partitioned: (4 + 4 + 8)·n / world, plus a reduce bucket (Lightning's 2e8 elements) in bf16; LoRA
+      accumulates its whole gradient on each rank before the one reduction per step (n·b more).
     """
     gib = 2.0**30
     N, V = counts["transformer"] + counts.get("buffers", 0), counts["vae"]
@@ -449,17 +451,18 @@ def memory_estimate(counts: Mapping[str, int], finetune: str, strategy: str = "d
     if strategy == "ddp":
         parts.update(grads=n * bytes_per, buckets=n * bytes_per, adam=2 * n * bytes_per, adam_step=n * bytes_per)
     elif strategy == "fsdp":
-        parts.update(weights=N * bytes_per / w, grads=n * bytes_per / w, adam=2 * n * bytes_per / w,
-                     adam_step=n * bytes_per / w)
-    elif strategy == "deepspeed_stage_2":
-        parts.update(grads=4.0 * n / w + min(n, 2e8) * bytes_per, master=4.0 * n / w, adam=8.0 * n / w,
-                     adam_step=4.0 * n / w)
+        parts.update(weights=N * bytes_per / w, grads=n * bytes_per / (w if finetune == "full" else 1),
+                     adam=2 * n * bytes_per / w, adam_step=n * bytes_per / w)
+    elif strategy == "deepspeed":
+        parts.update(grads=4.0 * n / w + min(n, 2e8) * bytes_per + (0.0 if finetune == "full" else n * bytes_per),
+                     master=4.0 * n / w, adam=8.0 * n / w, adam_step=4.0 * n / w)
     else:
         raise ValueError(f"strategy: one of {', '.join(STRATEGIES)}, got {strategy!r}")
+    shard = w if strategy == "fsdp" else 1  # FSDP2: the EMA and the reference are built on the sharded weights
     if ema:
-        parts["ema"] = n * bytes_per
+        parts["ema"] = n * bytes_per / shard
     if reference and finetune == "full":
-        parts["reference"] = N * bytes_per
+        parts["reference"] = N * bytes_per / shard
     out = {k: v / gib for k, v in parts.items()}
     out["total"] = sum(out.values())
     return out
