@@ -142,6 +142,7 @@ class DeepSpeedStrategy(_LightningDeepSpeedStrategy):
             lr_scheduler=lr_scheduler,
             dist_init_required=False,
         )
+        _norm_as_stepflow(deepspeed_optimizer)
         return deepspeed_engine, deepspeed_optimizer
 
     def _initialize_deepspeed_inference(self, model) -> None:
@@ -345,3 +346,35 @@ def _load_elastic(zero, partitions: list[dict[str, Any]]) -> None:
     zero.optimizer.load_state_dict({"state": state, "param_groups": groups})  # torch: device, dtype, hyperparameters
     zero._restore_from_elastic_fp32_weights(partitions)  # the fp32 masters, joined and cut the same way
     zero._link_all_hp_params()
+
+
+# -------------------------------------------------------------------- the gradient norm
+
+
+def _norm_as_stepflow(zero) -> None:
+    """Make ZeRO's gradient norm the one ``stepflow.dist.clip_grad_norm`` computes: the squares of every partition
+    summed in float64, reduced over the ranks in float64, then the square root rounded to fp32. DeepSpeed rounds each
+    rank's sum to fp32 before the reduction, so its norm (and the clipping factor made from it) differed from DDP's
+    in the last bits, which the training then grows. Only the L2 norm of ZeRO stage 1/2 without CPU offload (the
+    path ``scaled_global_norm`` takes) is replaced."""
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+    if not isinstance(zero, DeepSpeedZeroOptimizer) or getattr(zero, "_stepflow_norm", False):
+        return
+    original = zero.get_grad_norm_direct
+
+    def get_grad_norm_direct(gradients, params, norm_type=2):
+        if float(norm_type) != 2.0 or zero.has_moe_layers or zero.model_parallel_world_size > 1:
+            return original(gradients, params, norm_type)
+        grads = (g for g in gradients if not getattr(g, "_zero_padding", False))
+        sq = torch.zeros((), dtype=torch.float64, device=zero.device)
+        for g, _ in zip(grads, params):
+            sq += torch.linalg.vector_norm(g.detach(), 2, dtype=torch.float64).square()
+        torch.distributed.all_reduce(sq, group=zero.dp_process_group)
+        total = sq.sqrt().float()
+        if not bool(torch.isfinite(total)):
+            total = torch.tensor(-1.0, device=zero.device)  # DeepSpeed's invalid-norm sentinel
+        return total
+
+    zero.get_grad_norm_direct = get_grad_norm_direct
+    zero._stepflow_norm = True

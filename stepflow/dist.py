@@ -211,8 +211,9 @@ def strategy_kind_of_config(trainer_cfg) -> str:
 
 
 def clip_grad_norm(params: Iterable[torch.nn.Parameter], max_norm: float) -> Tensor:
-    """Clip the gradients to a total 2-norm of ``max_norm`` as ``torch.nn.utils.clip_grad_norm_`` does (factor
-    ``min(1, max_norm / (norm + 1e-6))``); returns the norm before clipping (fp32, 0-d).
+    """Clip the gradients to a total 2-norm of ``max_norm`` (factor ``1 / max(1, (norm + 1e-6) / max_norm)``, as
+    DeepSpeed's step computes it; ``torch.nn.utils.clip_grad_norm_``'s ``min(1, max_norm / (norm + 1e-6))`` up to the
+    last bit); returns the norm before clipping (fp32, 0-d).
 
     The norm is the square root of the squares summed in float64, over FSDP2's sharded (DTensor) gradients on every
     rank as well (one all-reduce): rounded to fp32 it is the same number however the gradient is split, so a sharded
@@ -227,7 +228,8 @@ def clip_grad_norm(params: Iterable[torch.nn.Parameter], max_norm: float) -> Ten
     if sharded:  # FSDP2 shards each gradient along dim 0 over the mesh: the squares add up over its ranks
         torch.distributed.all_reduce(sq, group=sharded[0].device_mesh.get_group())
     total = sq.sqrt().float()
-    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-    for g in local:
-        g.mul_(coef.to(g.device, g.dtype))
+    clip = torch.clamp((total + 1e-6) / max_norm, min=1.0)
+    if float(clip) > 1.0:
+        for g in local:
+            g.mul_((1.0 / clip).to(g.device, g.dtype))
     return total.detach().cpu()
