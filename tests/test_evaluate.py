@@ -125,6 +125,9 @@ def test_training_evaluation_table_and_its_shards(tiny_dir):
             self.rows = x
             return x if self.other is None else torch.cat([x, self.other])
 
+        def stop_requested(self):  # the ranks agree on stopping before every batch (none asked here)
+            return False
+
     r1 = Shard(1)
     _, imgs1, _ = evaluate_reward(pol, reward, recs, num_steps=2, seed=5, dist=r1)
     two, imgs0, _ = evaluate_reward(pol, reward, recs, num_steps=2, seed=5, dist=Shard(0, r1.rows))
