@@ -178,7 +178,9 @@ class GRPOModule(L.LightningModule):
         every = self.eval_cfg.every
         if (every and self.iteration % every == 0) or self.iteration == self.loop.iterations:
             self._guarded(self.run_evaluation)
-        if self.iteration >= self.loop.iterations or stop.STOP.is_set():
+        # every rank decides together: a signal seen by one rank only (or by one rank earlier) must not stop it
+        # alone, the others would wait in the next iteration's collectives
+        if self.iteration >= self.loop.iterations or Dist.from_module(self).stop_requested():
             self.trainer.should_stop = True  # epochs only tick; the iteration counter (checkpointed) decides
 
     def _guarded(self, fn):
