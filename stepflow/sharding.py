@@ -22,16 +22,16 @@ from torch import Tensor, nn
 
 __all__ = ["FSDP2Strategy", "shard_transformer", "blocks_of", "full_trained_state", "is_sharded", "same_graph_as_fsdp"]
 
-_DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16,
-           "float32": torch.float32, "fp32": torch.float32}
-
-
 def _dtype(name: str | None, field: str) -> torch.dtype | None:
+    """``None`` (the parameters' own dtype) or :func:`stepflow.policies.pipeline.resolve_dtype`'s dtype, errors named by
+    ``field``."""
     if name is None:
         return None
+    from stepflow.policies.pipeline import resolve_dtype
+
     try:
-        return _DTYPES[str(name).lower().removeprefix("torch.")]
-    except KeyError:
+        return resolve_dtype(name)
+    except ValueError:
         raise ValueError(f"{field}: must be one of bfloat16, float16, float32 (or null), got {name!r}") from None
 
 
