@@ -20,6 +20,7 @@ from torch import Tensor
 
 from stepflow import stop
 from stepflow.advantage import AdvantageEstimator, AdvantageOut
+from stepflow.cli import StepflowError
 from stepflow.config import LoopConfig, TrainConfig
 from stepflow.data import GroupSampler, IterationPlan
 from stepflow.dist import Dist, clip_grad_norm
@@ -376,20 +377,40 @@ class _Stats:
         return res
 
 
+class NonFiniteUpdate(StepflowError):
+    """The update's gradient is inf / nan: the run stops before the optimizer step writes it into the weights (under
+    DeepSpeed, whose step is one call, right after it and before anything is saved)."""
+
+
 def clip_and_step(lr: Learner, params: list, max_norm: float) -> Tensor | None:
     """Clip the gradients to ``max_norm`` (0 = no clipping) and take the optimizer step; returns the gradient norm
     before clipping (None without clipping). DeepSpeed clips inside its own step (``gradient_clipping`` in its config)
-    and reports the norm it clipped with; FSDP2's sharded gradients have their norm summed over ranks."""
+    and reports the norm it clipped with; FSDP2's sharded gradients have their norm summed over ranks.
+
+    A gradient whose norm is inf / nan (the norm is global, so every rank sees it) raises
+    :class:`NonFiniteUpdate` before the step: no non-finite weight is taken, saved or logged, and ``last.ckpt``
+    keeps the last finished iteration."""
     engine = lr.dist.engine
     if engine is not None:
         lr.optimizer.step()
-        if max_norm <= 0:
-            return None
-        norm = engine.get_global_grad_norm()
-        return torch.as_tensor(float(norm), dtype=torch.float64)
-    norm = clip_grad_norm(params, max_norm) if max_norm > 0 else None
+        norm = torch.as_tensor(float(engine.get_global_grad_norm() or 0.0), dtype=torch.float64)
+        _check_finite_grad(lr, norm, taken=True)
+        return norm if max_norm > 0 else None
+    norm = clip_grad_norm(params, max_norm if max_norm > 0 else float("inf"))
+    _check_finite_grad(lr, norm, taken=False)
     lr.optimizer.step()
-    return norm
+    return norm if max_norm > 0 else None
+
+
+def _check_finite_grad(lr: Learner, norm: Tensor, taken: bool) -> None:
+    if bool(torch.isfinite(norm)):
+        return
+    when = ("DeepSpeed's optimizer step has taken it; nothing was saved after it" if taken
+            else "the optimizer step was not taken")
+    raise NonFiniteUpdate(
+        f"train: the gradient of optimizer step {lr.opt_steps + 1} is not finite (norm {float(norm)}), so the run "
+        f"stopped: {when}, and checkpoints/last.ckpt holds the last finished iteration; lower train.lr, check the "
+        "reward (train/nonfinite_rewards) or clip harder (train.max_grad_norm)")
 
 
 def _grad_vector(params: list) -> Tensor:

@@ -69,6 +69,7 @@ class LoopConfig:
     compile: str | None = None
 
     def __post_init__(self) -> None:
+        _need(_is_int(self.seed) and self.seed >= 0, f"seed: must be an integer >= 0, got {self.seed!r}")
         _need(_is_int(self.iterations) and self.iterations >= 1, f"iterations: must be an integer >= 1, got {self.iterations!r}")
         _need(self.prompts_per_iter >= 1, f"prompts_per_iter: must be >= 1, got {self.prompts_per_iter}")
         _need(self.group_size >= 2, f"group_size: must be >= 2 (group statistics need two samples), got {self.group_size}")
@@ -139,6 +140,10 @@ class TrainConfig:
             bad = [k for k in steps if not _is_int(k)]
             _need(not bad, f"train_steps: step {bad[0]!r} is not an integer index" if bad else "")
             _need(bool(steps), "train_steps: empty list trains nothing; use null for every stochastic step")
+            dup = [k for k in steps if steps.count(k) > 1]
+            if dup:
+                raise ValueError(f"train_steps: step {dup[0]} is listed {steps.count(dup[0])} times (it would be "
+                                 "trained that many times per update); list each step once")
             self.train_steps = steps
         self.betas = [float(b) for b in self.betas]
         if self.on_policy:

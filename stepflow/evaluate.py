@@ -31,7 +31,7 @@ log = logging.getLogger("stepflow.evaluate")
 
 def load_policy(cfg: DictConfig):
     """The model of ``cfg.model`` (``ckpt_path`` replaces its weights), with the LoRA of ``lora_path`` if given."""
-    import hydra.utils
+    from stepflow.cli import instantiate
 
     mcfg = OmegaConf.to_container(cfg.model, resolve=True)
     ckpt = cfg.get("ckpt_path")
@@ -45,11 +45,11 @@ def load_policy(cfg: DictConfig):
             if "path" not in mcfg:
                 raise StepflowError(f"ckpt_path: model {mcfg.get('_target_')} takes no path; use model.<field>")
             mcfg["path"] = str(p)
-            policy = hydra.utils.instantiate(mcfg, _convert_="all")
+            policy = instantiate(mcfg, "model")
         else:
             raise StepflowError(f"ckpt_path: {p} is neither a model directory nor a pretraining .ckpt file")
     else:
-        policy = hydra.utils.instantiate(mcfg, _convert_="all")
+        policy = instantiate(mcfg, "model")
     lora = cfg.get("lora_path")
     if lora:
         p = Path(str(lora)).expanduser()
@@ -101,20 +101,43 @@ def load_records(cfg: DictConfig) -> list[dict[str, Any]]:
     return out
 
 
+def check_settings(cfg: DictConfig) -> None:
+    """One-line errors for the evaluation's own settings, before the model loads (minutes for a large one)."""
+    from stepflow.cli import check_finite
+
+    check_finite(cfg)
+
+    def whole(key: str, lo: int, null_ok: bool = False, what: str = "") -> None:
+        v = OmegaConf.select(cfg, key)
+        if v is None and null_ok:
+            return
+        if not (isinstance(v, int) and not isinstance(v, bool) and v >= lo):
+            raise StepflowError(f"{key}: must be an integer >= {lo}{' or null' if null_ok else ''}{what}, got {v!r}")
+
+    whole("sampler.num_steps", 1)
+    whole("num_per_prompt", 1)
+    whole("max_prompts", 1, null_ok=True, what=" (null = all)")
+    whole("batch_size", 1)
+    whole("seed", 0)
+    whole("grid.per_category", 0, what=" (0 = no grids)")
+    whole("grid.ncol", 1)
+    g = cfg.sampler.get("guidance")
+    if g is not None and not (isinstance(g, (int, float)) and not isinstance(g, bool) and 1.0 <= g < float("inf")):
+        raise StepflowError(f"sampler.guidance: must be a finite number >= 1 (1 = no CFG) or null (the model's "
+                            f"eval_guidance), got {g!r}")
+
+
 def evaluate(cfg: DictConfig, out_dir: str | Path) -> dict[str, float]:
     """Run the evaluation described by ``cfg`` and write its outputs to ``out_dir``; returns the table."""
     from stepflow.evaluation import evaluate_geneval, format_table, save_category_grids
     from stepflow.rewards.shapes_geneval import judge_batch
 
+    check_settings(cfg)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     if cfg.get("torch_threads"):
         torch.set_num_threads(int(cfg.torch_threads))
     s = cfg.sampler
-    if int(s.num_steps) < 1:
-        raise StepflowError(f"sampler.num_steps: must be >= 1, got {s.num_steps}")
-    if int(cfg.num_per_prompt) < 1:
-        raise StepflowError(f"num_per_prompt: must be >= 1, got {cfg.num_per_prompt}")
     records = load_records(cfg)
     policy = load_policy(cfg)
     t0 = time.perf_counter()

@@ -108,7 +108,8 @@ def evaluate_reward(policy: FlowPolicy, reward, records: Sequence[dict[str, Any]
     sharded over the ranks of ``dist`` (a :class:`stepflow.dist.Dist`; each samples a contiguous slice with the noise
     it would have in one process, the per-sample scores are gathered).
 
-    Returns ``({"eval/<reward>": mean score, "eval/geneval*": ...}, this rank's images, their prompts)``. The
+    Returns ``({"eval/<reward>": mean score, "eval/geneval*": ...}, this rank's images, their prompts)``; NaN / inf
+    scores are left out of the mean and counted (``eval/nonfinite_rewards``, only when there are any). The
     GenEval-style table (strict accuracy per category, their mean) comes from the reward's own ``strict`` component
     and each record's ``tag`` (or ``category``), when both exist; the judge runs once per image.
     """
@@ -133,11 +134,20 @@ def evaluate_reward(policy: FlowPolicy, reward, records: Sequence[dict[str, Any]
         pad = torch.full((per, local.shape[1]), float("nan"))
         pad[:len(local)] = local
         local = dist.gather_rows(pad)[:n]
-    res = {f"eval/{reward.name}": float(local[:, 0].mean())}
+    finite = torch.isfinite(local[:, 0])
+    res = {f"eval/{reward.name}": float(local[finite, 0].mean())} if bool(finite.any()) else {}
+    if not bool(finite.all()):  # NaN / inf scores are counted, never averaged into the logged metric
+        res["eval/nonfinite_rewards"] = float((~finite).sum())
+        import logging
+
+        logging.getLogger("stepflow.evaluation").warning(
+            "%d of %d held-out samples got a non-finite %s score: left out of eval/%s (eval/nonfinite_rewards)",
+            int((~finite).sum()), n, reward.name, reward.name)
     if strict:
         from stepflow.rewards.shapes_geneval import table_from_strict
 
-        res.update({f"eval/{k}": v for k, v in table_from_strict(tags, local[:, 1].tolist()).items()})
+        passed = torch.nan_to_num(local[:, 1], nan=0.0, posinf=0.0, neginf=0.0)  # no valid judgement: not passed
+        res.update({f"eval/{k}": v for k, v in table_from_strict(tags, passed.tolist()).items()})
     return res, images, prompts
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-__all__ = ["run_lock", "check_resume", "global_rank", "LOCK_NAME"]
+__all__ = ["run_lock", "acquire", "release", "RunDirCallback", "check_resume", "global_rank", "LOCK_NAME"]
 
 LOCK_NAME = ".stepflow.lock"
 
@@ -34,28 +34,33 @@ def global_rank() -> int:
     return 0
 
 
-@contextlib.contextmanager
-def run_lock(run_dir: Path):
-    """Hold ``<run_dir>/.stepflow.lock`` (pid, host, start time) for the context; a second run on the same directory
-    stops with one line naming the holder. A lock left by a process that is gone (same host) is taken over. Only
-    global rank 0 locks (the other ranks of a distributed run share rank 0's directory)."""
+def _holder(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text() or "{}")
+    except (OSError, ValueError):
+        return {}
+
+
+def _mine(holder: dict) -> bool:
+    return holder.get("pid") == os.getpid() and holder.get("host") == socket.gethostname()
+
+
+def acquire(run_dir: Path) -> bool:
+    """Take ``<run_dir>/.stepflow.lock`` (pid, host, start time) for this process; True if it was taken now, False if
+    this process already holds it. A second run on the same directory stops with one line naming the holder; a lock
+    left by a process that is gone (same host) is taken over."""
     from stepflow.cli import StepflowError
 
-    if global_rank() != 0:
-        yield
-        return
     path = Path(run_dir) / LOCK_NAME
     me = {"pid": os.getpid(), "host": socket.gethostname(), "since": time.strftime("%Y-%m-%d %H:%M:%S")}
     for _ in range(2):
         try:
             fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
         except FileExistsError:
-            try:
-                holder = json.loads(path.read_text() or "{}")
-            except (OSError, ValueError):
-                holder = {}
-            same_host = holder.get("host") == me["host"]
-            if same_host and isinstance(holder.get("pid"), int) and not _alive(holder["pid"]):
+            holder = _holder(path)
+            if _mine(holder):
+                return False
+            if holder.get("host") == me["host"] and isinstance(holder.get("pid"), int) and not _alive(holder["pid"]):
                 path.unlink(missing_ok=True)  # stale: its process is gone
                 continue
             raise StepflowError(f"hydra.run.dir: {run_dir} is in use by another run (pid {holder.get('pid', '?')} on "
@@ -63,11 +68,76 @@ def run_lock(run_dir: Path):
                                 f"hydra.run.dir, or stop that run (a stale lock: delete {path})") from None
         with os.fdopen(fd, "w") as fh:
             json.dump(me, fh)
-        break
+        return True
+    raise StepflowError(f"hydra.run.dir: cannot take the lock {path}; delete it if no run uses {run_dir}")
+
+
+def release(run_dir: Path) -> None:
+    """Drop ``<run_dir>/.stepflow.lock`` if this process holds it (never another run's)."""
+    path = Path(run_dir) / LOCK_NAME
+    if _mine(_holder(path)):
+        path.unlink(missing_ok=True)
+
+
+@contextlib.contextmanager
+def run_lock(run_dir: Path):
+    """Hold ``<run_dir>/.stepflow.lock`` for the context (:func:`acquire`; a lock this process took already, in
+    :class:`RunDirCallback`, is kept and dropped at the end). Only global rank 0 locks (the other ranks of a
+    distributed run share rank 0's directory)."""
+    if global_rank() != 0:
+        yield
+        return
+    acquire(run_dir)
     try:
         yield
     finally:
-        path.unlink(missing_ok=True)
+        release(run_dir)
+
+
+try:
+    from hydra.experimental.callback import Callback as _Callback
+except ImportError:  # pragma: no cover - Hydra is a dependency; the class only needs a base
+    _Callback = object
+
+
+class RunDirCallback(_Callback):
+    """Hydra callback (``hydra.callbacks.run_dir`` in the entry points' configs): before Hydra writes anything into
+    ``hydra.run.dir`` (``.hydra/config.yaml``, ``overrides.yaml``, the job's log), create it (one line when it cannot
+    be) and, with ``lock``, take its run lock, so a refused second run leaves the running run's record untouched.
+    The lock is held until the process ends (:func:`run_lock` of :func:`stepflow.train.run` drops it after the run).
+    Multirun jobs get their own subdirectories and are locked by :func:`run_lock` only."""
+
+    def __init__(self, lock: bool = True) -> None:
+        self.lock = bool(lock)
+
+    @staticmethod
+    def _create(config: DictConfig, key: str) -> Path:
+        from stepflow.cli import fail
+
+        d = Path(str(OmegaConf.select(config, key))).expanduser()
+        try:
+            d.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            fail(f"{key}: cannot create {d} ({e.strerror or type(e).__name__}: {e.filename or d}); give a directory "
+                 f"that can be written, {key}=<dir>")
+        return d
+
+    def on_multirun_start(self, config: DictConfig, **kwargs) -> None:
+        self._create(config, "hydra.sweep.dir")
+
+    def on_run_start(self, config: DictConfig, **kwargs) -> None:
+        import atexit
+
+        from stepflow.cli import StepflowError, fail
+
+        run_dir = self._create(config, "hydra.run.dir")
+        if not self.lock or global_rank() != 0:
+            return
+        try:
+            if acquire(run_dir):
+                atexit.register(release, run_dir)
+        except StepflowError as e:
+            fail(str(e))
 
 
 def _flat(d, prefix: str = "") -> dict:

@@ -10,32 +10,19 @@ Examples::
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from stepflow.cli import StepflowError, entry_point
+from stepflow.cli import StepflowError, entry_point, instantiate
 from stepflow.config import DataConfig, EmaConfig, EvalConfig, LoopConfig, LoraConfig, TrainConfig, to_config
 
 
 def _container(node) -> dict:
     return {} if node is None else OmegaConf.to_container(node, resolve=True)
-
-
-def instantiate(node: Any, field: str, **kwargs: Any):
-    """hydra.utils.instantiate, with the user-facing error of the target (one line) instead of Hydra's wrapper."""
-    import hydra.utils
-    from hydra.errors import InstantiationException
-
-    try:
-        return hydra.utils.instantiate(node, _convert_="all", **kwargs)
-    except InstantiationException as e:
-        cause = e.__cause__
-        if isinstance(cause, (ValueError, FileNotFoundError, OSError)):
-            raise StepflowError(str(cause).strip().splitlines()[0]) from None
-        raise StepflowError(f"{field}: {' '.join(str(e).split())[:300]}") from None
 
 
 def build_policy(cfg: DictConfig):
@@ -81,48 +68,130 @@ def check_train_steps(train: TrainConfig, sampler, num_steps: int) -> None:
                             "nothing would be trained; pick stochastic steps or train.train_steps=null")
 
 
-def build_module(cfg: DictConfig, run_dir: Path):
-    """Everything but the Trainer: policy (+LoRA), reward, advantage, sampler, group sampler, eval prompts."""
+def window_union(window, num_steps: int) -> list[int] | None:
+    """Every step the SDE ``window`` can hold over a run (None: no window): ``fixed`` its steps, ``sliding`` and
+    ``random`` every step from ``start`` on (the sliding window moves up to the last position and holds there)."""
+    if window.kind == "none":
+        return None
+    if window.kind == "fixed":
+        return list(range(window.start, window.start + window.size))
+    return list(range(window.start, num_steps))
+
+
+def check_trains_something(train: TrainConfig, sampler, window, num_steps: int, distill: bool) -> None:
+    """One-line errors for combinations of ``window`` × ``train.train_steps`` × ``train.timestep_fraction`` ×
+    ``sampler`` × ``loop.num_steps`` under which no step is ever trained (``train/steps_trained=0`` for the whole
+    run): a window that does not fit the grid, a window that misses every listed step, a window holding only
+    noise-free steps (the last step of a DDIM grid: s = 0), a sampler whose noise is zero everywhere. The ODE
+    sampler, which has no density, trains nothing by design (a rollout-only run): a warning says so.
+
+    Which steps are noise-free does not depend on the grid's shift (σ = 0 only at the grid's ends), so a shift-1
+    grid stands in for the model's."""
+    from stepflow.algorithm import trainable_steps
+    from stepflow.sde import step_std, time_grid
+    from stepflow.window import window_steps
+
+    if window.kind != "none":
+        try:
+            window_steps(window, 0, num_steps, 0)
+        except ValueError as e:
+            raise StepflowError(str(e)) from None
+    if sampler.name == "ode" and not distill:
+        import logging
+
+        logging.getLogger("stepflow.train").warning(
+            "sampler=ode has no density: this run rolls out and scores, and trains nothing (train/steps_trained=0); "
+            "use a stochastic sampler (ddim_sde, flow_sde, cps) to train")
+        return
+    union = window_union(window, num_steps)
+    if trainable_steps(train, sampler, time_grid(num_steps, shift=1.0), distill, union):
+        return
+    steps = train.train_steps
+    chosen = (f"train.train_steps={list(steps)}" if isinstance(steps, list)
+              else f"the first int(T·train.timestep_fraction) = {int(num_steps * train.timestep_fraction + 1e-9)} "
+                   f"steps" if train.timestep_fraction < 1 else
+              "train.train_steps=auto: every noisy step" if steps == "auto" else "every noisy step")
+    if union is not None:
+        grid = time_grid(num_steps, shift=1.0)
+        quiet = [k for k in range(num_steps) if float(step_std(sampler, grid[k], grid[k + 1], t_guard=grid[1])) == 0]
+        raise StepflowError(
+            f"window: the SDE window (window={window.kind}, steps {union[0]}..{union[-1]} of 0..{num_steps - 1}) holds "
+            f"no step that is trained ({chosen}; steps {quiet} carry no noise under sampler={sampler.name}), so "
+            "nothing would be trained; move window.start / window.size over trained noisy steps, or change "
+            "train.train_steps")
+    if isinstance(steps, list):
+        return  # check_train_steps names the listed steps
+    field = {"ddim_sde": "sampler.eta", "flow_sde": "sampler.a", "cps": "sampler.eta"}.get(sampler.name, "sampler")
+    if train.timestep_fraction < 1:
+        field = "train.timestep_fraction"
+    raise StepflowError(f"{field}: no step of the {num_steps}-step grid carries noise ({chosen} under "
+                        f"sampler={sampler.name}), so nothing would be trained; raise {field}")
+
+
+@dataclass
+class Settings:
+    """The typed groups of a training config (each checked by its dataclass), with the rollout sampler resolved."""
+
+    loop: LoopConfig
+    train: TrainConfig
+    eval: EvalConfig
+    ema: EmaConfig
+    lora: LoraConfig
+    data: DataConfig
+    sampler: Any
+    advantage: Any
+    window: Any
+
+
+def settings(cfg: DictConfig) -> Settings:
+    """Every group of ``cfg`` as its dataclass, every float finite and the field combinations checked, before
+    anything is built or loaded (a wrong setting is one line in a second, not after minutes of loading a model)."""
     from stepflow.advantage import AdvantageConfig
-    from stepflow.data import GroupSampler, load_prompt_file
-    from stepflow.grpo import GRPOModule
+    from stepflow.cli import check_finite
     from stepflow.sde import SamplerConfig
     from stepflow.window import WindowConfig
 
+    check_finite(cfg)
+    seed = cfg.get("seed", 0)
+    if not (isinstance(seed, int) and not isinstance(seed, bool) and seed >= 0):
+        raise StepflowError(f"seed: must be an integer >= 0, got {seed!r}")
     loop = to_config(cfg.loop, LoopConfig, "loop")
     train = to_config(cfg.train, TrainConfig, "train")
-    eval_cfg = to_config(cfg.eval, EvalConfig, "eval")
-    ema = to_config(cfg.ema, EmaConfig, "ema")
-    data = to_config(cfg.data, DataConfig, "data")
-    sampler = to_config(cfg.sampler, SamplerConfig, "sampler")
-    advantage = to_config(cfg.advantage, AdvantageConfig, "advantage")
-    window = to_config(cfg.window, WindowConfig, "window")
+    s = Settings(loop=loop, train=train, eval=to_config(cfg.eval, EvalConfig, "eval"),
+                 ema=to_config(cfg.ema, EmaConfig, "ema"), lora=to_config(cfg.lora, LoraConfig, "lora"),
+                 data=to_config(cfg.data, DataConfig, "data"), sampler=to_config(cfg.sampler, SamplerConfig, "sampler"),
+                 advantage=to_config(cfg.advantage, AdvantageConfig, "advantage"),
+                 window=to_config(cfg.window, WindowConfig, "window"))
+    if s.advantage.rollout_sampler is not None:  # the scheme's own rollout sampler (distill: ode), in its config
+        s.sampler = SamplerConfig(name=s.advantage.rollout_sampler)
+    check_train_steps(train, s.sampler, loop.num_steps)
+    check_trains_something(train, s.sampler, s.window, loop.num_steps, s.advantage.scheme == "distill")
+    return s
+
+
+def build_module(cfg: DictConfig, run_dir: Path):
+    """Everything but the Trainer: policy (+LoRA), reward, advantage, sampler, group sampler, eval prompts."""
+    from stepflow.data import GroupSampler, load_prompt_file
+    from stepflow.grpo import GRPOModule
+
+    s = settings(cfg)
+    loop, train, advantage = s.loop, s.train, s.advantage
     if advantage.over == "trained" and advantage.effective_over == "all" and advantage.scheme != "uniform":
         import logging
 
         logging.getLogger("stepflow.train").warning(
             "advantage.over=trained does not apply to advantage=%s (it reads every step's gain): its gains are "
             "normalised over all steps", advantage.scheme)
-    if advantage.rollout_sampler is not None:  # the scheme's own rollout sampler (distill: ode), stated in its config
-        sampler = SamplerConfig(name=advantage.rollout_sampler)
     same_latent = loop.same_latent if advantage.same_latent is None else advantage.same_latent
-    check_train_steps(train, sampler, loop.num_steps)
-    train_records = load_prompt_file(data.train_file, "data.train_file")
-    eval_records = load_prompt_file(data.eval_file, "data.eval_file")
+    train_records = load_prompt_file(s.data.train_file, "data.train_file")
+    eval_records = load_prompt_file(s.data.eval_file, "data.eval_file")
     plan = GroupSampler(train_records, loop.prompts_per_iter, loop.group_size, seed=loop.seed,
-                        same_latent=same_latent, balance_by=data.balance_by)
+                        same_latent=same_latent, balance_by=s.data.balance_by)
     torch.manual_seed(loop.seed)
     policy = build_policy(cfg)
     reward = build_reward(cfg)
-    if window.kind != "none":
-        from stepflow.window import window_steps
-
-        try:
-            window_steps(window, 0, loop.num_steps, loop.seed)
-        except ValueError as e:
-            raise StepflowError(f"window.{e}") from None
-    return GRPOModule(policy, reward, sampler, advantage, plan, eval_records, loop, train, eval_cfg, ema, run_dir,
-                      window=None if window.kind == "none" else window)
+    return GRPOModule(policy, reward, s.sampler, advantage, plan, eval_records, loop, train, s.eval, s.ema, run_dir,
+                      window=None if s.window.kind == "none" else s.window)
 
 
 def build_trainer(cfg: DictConfig, run_dir: Path):
@@ -182,6 +251,8 @@ def run(cfg: DictConfig, run_dir: Path):
     from stepflow import stop
     from stepflow.rundir import check_resume, global_rank, run_lock
 
+    settings(cfg)  # every check that needs no model, before the run dir is touched
+    check_strategy(cfg)
     ckpt = resolve_ckpt(cfg.get("ckpt_path"), run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     with run_lock(run_dir), stop.signals_handled(announce=lambda m: print(f"stepflow: {m}", flush=True)):
@@ -192,7 +263,6 @@ def run(cfg: DictConfig, run_dir: Path):
         if cfg.get("torch_threads"):  # oversubscribed OpenMP threads on a shared CPU are ~10x slower than one each
             torch.set_num_threads(int(cfg.torch_threads))
         _deepspeed_env(cfg)
-        check_strategy(cfg)
         module = build_module(cfg, run_dir)
         trainer = build_trainer(cfg, run_dir)
         ticks = DataLoader(list(range(1)), batch_size=None)  # one "batch" per epoch = one GRPO iteration

@@ -50,7 +50,7 @@ def window_steps(cfg: WindowConfig, iteration: int, num_steps: int, seed: int = 
     if cfg.kind == "none":
         return None
     if cfg.start + (cfg.size if cfg.kind != "random" else 1) > num_steps or cfg.size > num_steps - cfg.start:
-        raise ValueError(f"window: start {cfg.start} + size {cfg.size} do not fit a {num_steps}-step grid "
+        raise ValueError(f"window.size: start {cfg.start} + size {cfg.size} do not fit a {num_steps}-step grid "
                          f"(loop.num_steps); lower window.start or window.size")
     if cfg.kind == "fixed":
         lo = cfg.start

@@ -343,3 +343,26 @@ def test_a_quoted_run_dir_with_equals_signs_is_read(tmp_path):
     d = tmp_path / "seed=1,train.weighting=guard"
     r = run_cli("stepflow.train", "experiment=smoke", f"hydra.run.dir='{d}'", "--cfg", "job")
     assert r.returncode == 0, r.stderr
+
+
+def test_non_finite_held_out_scores_are_counted_and_never_logged(tmp_path):
+    """Evaluation: NaN / inf scores are left out of eval/<reward> and counted as eval/nonfinite_rewards."""
+    from stepflow.evaluation import evaluate_reward
+    from stepflow.train import build_module
+
+    module = build_module(compose_config("train", ["experiment=smoke"]), tmp_path)
+    recs = module.eval_records[:6]
+    clean, _, _ = evaluate_reward(module.policy, module.reward, recs, num_steps=2)
+    res, _, _ = evaluate_reward(module.policy, _NaNReward(module.reward, every=3), recs, num_steps=2)
+    name = f"eval/{module.reward.name}"
+    assert res["eval/nonfinite_rewards"] == 4  # samples 0, 1, 3, 4 of 6
+    scores = module.reward(*_images_and_prompts(module, recs)).scores
+    assert res[name] == pytest.approx(float(scores[[2, 5]].mean()))
+    assert all(math.isfinite(v) for v in res.values()) and "eval/nonfinite_rewards" not in clean
+
+
+def _images_and_prompts(module, recs):
+    from stepflow.evaluation import sample_ode
+
+    prompts = [r["prompt"] for r in recs]
+    return sample_ode(module.policy, prompts, num_steps=2), prompts, recs

@@ -67,6 +67,12 @@ def build_reward(cfg: Any, overrides: Sequence[str] = ()) -> Reward:
         inner = _find_reward_error(e)
         if inner is not None:
             raise inner from None
+        cause = e.__cause__
+        if isinstance(cause, (ValueError, OSError)):  # the reward's own check of its arguments: its message, one line
+            from stepflow.cli import StepflowError
+
+            msg = " ".join(str(cause).split()) or type(cause).__name__
+            raise StepflowError(msg if msg.startswith("reward") else f"reward: {msg}") from None
         raise
     if not isinstance(reward, Reward):
         raise TypeError(f"build_reward: {cfg.get('_target_')} built a {type(reward).__name__}, not a Reward")
