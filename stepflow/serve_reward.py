@@ -6,27 +6,45 @@
 Standard library only (``http.server.ThreadingHTTPServer``). Requests are scored one at a time (a lock around the
 reward), since reward models are not guaranteed thread-safe; run several servers for more throughput.
 
+Start-up checks, before the reward is built (one line ``stepflow: error: <field>: ...`` each, never a traceback):
+every limit below is a positive, finite number (counts are integers >= 1; :func:`check_limit`), ``port`` is an
+integer in 0..65535 (0: a free one), ``host`` resolves and ``host:port`` can be bound (:func:`check_bind`: a port in
+use, a privileged port, an address that is not this machine's are named as such).
+
 What a request may cost is bounded before anything is decoded (:class:`Limits`, ``conf/serve_reward.yaml``): the
 body size (``Content-Length``, checked before the body is read), the images per request, and the pixels per image
 and per request, read from each PNG / JPEG header (a lazy ``PIL.Image.open``) before any pixel is decoded. At most
 ``decode_workers`` requests decode at once and at most ``max_inflight`` are handled at once (more answer 503, which
-clients retry); the reward lock is only taken once a request is fully decoded. Errors answer ``{"error": "<one
-line>"}``: 400 malformed (bad JSON, wrong types, empty batch, bad ``Content-Length``, undecodable image), 411 no
-``Content-Length``, 413 over a limit, 404 / 501 wrong path or method, 503 busy, 500 the reward failed.
-Nothing is ever unpickled.
+clients retry); the reward lock is only taken once a request is fully decoded. The lock is held while the reward
+scores a request, and that time grows with the request's pixels: the shapes judge (``reward=shapes_geneval``) needs
+about 1 s per megapixel of noise-like samples on one CPU core (15-22 s for one 4096^2 image, the old default
+limit), which is why ``max_image_pixels`` defaults to 2048^2 (4 Mpx: 3-4 s at worst; sd35_large's 1024^2 samples:
+under 1 s). A request's total, and so the longest any request holds the lock, is bounded by
+``max_request_pixels`` (64 Mpx by default: a minute of shapes judging for noise; lower it, or run more servers,
+where one client must not wait on another's large batches).
+
+Errors answer ``{"error": "<one line>"}``: 400 malformed (bad JSON, wrong types, empty batch, ``meta`` that is not
+a list of one object or null per image, bad ``Content-Length``, undecodable image), 411 no ``Content-Length``, 413
+over a limit, 404 / 501 wrong path or method, 422 the reward refused the request's content (a ValueError /
+KeyError / TypeError of the reward, e.g. metadata it cannot judge; clients do not retry it), 503 busy, 500 the
+reward failed otherwise (clients retry). Nothing is ever unpickled.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
+import math
+import numbers
 import re
+import socket
 import threading
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-from stepflow.cli import entry_point
+from stepflow.cli import StepflowError, entry_point
 from stepflow.rewards.base import Reward
 from stepflow.rewards.errors import one_line
 
@@ -38,19 +56,123 @@ _DIGITS = re.compile(r"[0-9]{1,18}")
 
 @dataclass(frozen=True)
 class Limits:
-    """What one request may make the server read and decode (``conf/serve_reward.yaml``)."""
+    """What one request may make the server read and decode (``conf/serve_reward.yaml``); every field is checked
+    by :func:`check_limit` when the limits are made (a limit of 0, -1, inf or nan is a StepflowError naming it)."""
 
     max_body_mb: float = 256.0             # request body (base64 JSON), checked from Content-Length before reading
     max_images: int = 256                  # images per request
-    max_image_pixels: int = 4096 * 4096    # width * height of one image, from its header, before decoding
+    max_image_pixels: int = 2048 * 2048    # width * height of one image, from its header, before decoding
     max_request_pixels: int = 64 * 1024**2  # sum over a request's images (64 images of 1024^2; 768 MB as float32)
     decode_workers: int = 2                # requests decoded at the same time
     max_inflight: int = 16                 # requests handled at the same time (more: 503, retried by clients)
     read_timeout_s: float = 60.0           # a connection that sends nothing for this long is closed
 
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            object.__setattr__(self, f.name, check_limit(f.name, getattr(self, f.name)))
+
     @property
     def max_body(self) -> int:
         return int(self.max_body_mb * 2**20)
+
+
+#: what each limit bounds, for the fix of its error message
+_LIMIT_WHAT = {
+    "max_body_mb": "MB of request body", "max_images": "images per request",
+    "max_image_pixels": "pixels per image, e.g. 4194304 for 2048^2", "max_request_pixels": "pixels per request",
+    "decode_workers": "requests decoded at once", "max_inflight": "requests handled at once",
+    "read_timeout_s": "seconds a connection may stay silent",
+}
+
+
+def check_limit(name: str, value: Any) -> int | float:
+    """A limit of :class:`Limits` as its type: an integer >= 1 for counts (an integral float is accepted), a finite
+    number > 0 for ``max_body_mb`` / ``read_timeout_s``. A limit that refuses every request (``max_images=0``,
+    ``max_image_pixels=-1``), drops every connection (``read_timeout_s=-1``) or is no number (inf, nan, a string,
+    a bool) raises a one-line :class:`StepflowError` naming ``name`` and its default."""
+    default = Limits.__dataclass_fields__[name].default
+    integer = isinstance(default, int)
+    ok = isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
+    if integer:
+        ok = ok and float(value).is_integer() and value >= 1
+    else:
+        ok = ok and value > 0
+    if not ok:
+        what = "an integer >= 1" if integer else "a finite number > 0"
+        raise StepflowError(f"{name}: must be {what}, got {value!r}; give {name}=<{_LIMIT_WHAT[name]}> "
+                            f"(default {default if integer else f'{default:g}'})")
+    return int(value) if integer else float(value)
+
+
+def check_port(port: Any) -> int:
+    """``port`` as an int in 0..65535 (0: the OS picks a free one); a one-line StepflowError otherwise."""
+    if isinstance(port, bool) or not isinstance(port, numbers.Integral) or not 0 <= port <= 65535:
+        raise StepflowError(f"port: must be an integer in 0..65535, got {port!r}; give port=18085 (or any free port "
+                            f"number), or port=0 for a free one")
+    return int(port)
+
+
+def _family(host: str, port: int) -> socket.AddressFamily:
+    """The address family to bind ``host`` with (IPv4 first; ``::1`` / ``::`` are IPv6); a one-line StepflowError
+    naming ``host`` when it is no string or does not resolve."""
+    if not isinstance(host, str) or not host.strip():
+        raise StepflowError(f"host: must be a host name or IP address, got {host!r}; give host=127.0.0.1 (this "
+                            f"machine only) or host=0.0.0.0 (every interface)")
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except (socket.gaierror, UnicodeError, OSError) as e:
+        raise StepflowError(f"host: cannot resolve {host!r} ({one_line(getattr(e, 'strerror', None) or e, 120)}); "
+                            f"give host=127.0.0.1 (this machine only), host=0.0.0.0 (every interface) or an address "
+                            f"of this machine") from None
+    families = [i[0] for i in infos]
+    return socket.AF_INET if socket.AF_INET in families else families[0]
+
+
+def bind_error(e: OSError, host: str, port: int) -> StepflowError:
+    """One line for a failed bind of ``host:port``, naming ``port`` or ``host`` (whichever is at fault) and the fix."""
+    code = e.errno
+    if code == errno.EADDRINUSE:
+        return StepflowError(f"port: port {port} is in use on {host} (another server?); choose another port= or "
+                             f"port=0 for a free one")
+    if code == errno.EACCES:
+        return StepflowError(f"port: no permission to bind port {port} on {host} (ports below 1024 need root); "
+                             f"choose a port >= 1024, e.g. port=18085, or port=0 for a free one")
+    if code == errno.EADDRNOTAVAIL:
+        return StepflowError(f"host: {host} is not an address of this machine, so it cannot be bound; give "
+                             f"host=127.0.0.1 (this machine only), host=0.0.0.0 (every interface) or one of its "
+                             f"addresses")
+    return StepflowError(f"host: cannot bind {host}:{port} ({type(e).__name__}: {one_line(e, 120)}); check host= "
+                         f"and port= (port=0 picks a free port)")
+
+
+def _server_class(host: str, port: int) -> type[ThreadingHTTPServer]:
+    """ThreadingHTTPServer for the address family of ``host`` (checked: :func:`check_port`, :func:`_family`)."""
+    family = _family(host, check_port(port))
+    if family == ThreadingHTTPServer.address_family:
+        return ThreadingHTTPServer
+    return type("ThreadingHTTPServer6", (ThreadingHTTPServer,), {"address_family": family})
+
+
+def check_bind(host: str, port: int) -> None:
+    """Fail early (before a reward model is loaded) when ``host:port`` cannot be served: the port is checked
+    (0..65535), the host resolved, and the address bound once and released (the same socket options as the
+    server's). Raises a one-line StepflowError naming ``port`` or ``host``."""
+    cls = _server_class(host, port)
+    try:
+        probe = cls((host, port), BaseHTTPRequestHandler, bind_and_activate=False)
+    except OSError as e:
+        raise bind_error(e, host, port) from None
+    try:
+        probe.server_bind()
+    except OSError as e:
+        raise bind_error(e, host, port) from None
+    finally:
+        probe.server_close()
+
+
+#: what a reward raises when it cannot use the client's input (metadata it cannot judge, ...): answered 422, which
+#: clients do not retry; anything else the reward raises is a 500 (retried)
+_REFUSED = (ValueError, KeyError, TypeError)
 
 
 class _BadRequest(ValueError):
@@ -99,20 +221,23 @@ def make_server(reward: Reward, host: str = "127.0.0.1", port: int = 18085, max_
                 limits: Limits | None = None, **limit_overrides: Any) -> ThreadingHTTPServer:
     """A ready (not yet serving) server; ``port=0`` picks a free port (``server.server_address[1]``).
 
-    ``limits`` (or keyword overrides of its fields, e.g. ``max_image_pixels=1 << 20``) bound each request."""
+    ``limits`` (or keyword overrides of its fields, e.g. ``max_image_pixels=1 << 20``) bound each request; they are
+    checked (:func:`check_limit`) before anything is bound. A bad ``port``, a ``host`` that does not resolve and a
+    failed bind (port in use, ...) raise a one-line StepflowError naming ``port`` / ``host``."""
     lim = limits or Limits()
     if max_body_mb is not None:
         limit_overrides["max_body_mb"] = max_body_mb
     if limit_overrides:
         lim = Limits(**{**asdict(lim), **limit_overrides})
+    server_class = _server_class(host, port)
     lock = threading.Lock()  # around the reward: never held while reading or decoding
-    decoding = threading.BoundedSemaphore(max(1, int(lim.decode_workers)))
-    inflight = threading.BoundedSemaphore(max(1, int(lim.max_inflight)))
+    decoding = threading.BoundedSemaphore(lim.decode_workers)
+    inflight = threading.BoundedSemaphore(lim.max_inflight)
     reward_name = getattr(reward, "name", type(reward).__name__)
 
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
-        timeout = float(lim.read_timeout_s) if lim.read_timeout_s else None  # socket timeout per read / write
+        timeout = lim.read_timeout_s  # socket timeout per read / write
 
         def log_message(self, fmt: str, *args: Any) -> None:  # route access logs to logging, not stderr
             log.debug("%s - " + fmt, self.address_string(), *args)
@@ -213,17 +338,27 @@ def make_server(reward: Reward, host: str = "127.0.0.1", port: int = 18085, max_
             try:
                 with lock:
                     out = reward(images, prompts, meta)
-                if tuple(out.scores.shape) != (len(prompts),):
-                    raise ValueError(f"reward returned scores of shape {tuple(out.scores.shape)} for {len(prompts)} "
-                                     f"images")
+            except _REFUSED as e:  # the reward cannot use what the client sent (its metadata, prompts): 422
+                log.info("%s: 422 the reward refused the request: %s: %s", self.address_string(), type(e).__name__,
+                         one_line(e))
+                self._fail(422, f"the reward cannot score this request ({type(e).__name__}: {one_line(e)}); check "
+                                f"the request's prompts and meta (e.g. GenEval metadata 'tag', 'include')")
+                return
             except Exception as e:  # noqa: BLE001 - the client gets a one-line 500, the server log the traceback
                 log.exception("reward failed")
                 self._fail(500, f"{type(e).__name__}: {one_line(e)}")
                 return
+            if tuple(out.scores.shape) != (len(prompts),):  # the server's fault, not the client's
+                self._fail(500, f"ValueError: reward returned scores of shape {tuple(out.scores.shape)} for "
+                                f"{len(prompts)} images")
+                return
             self._send(200, {"scores": out.scores.float().tolist(),
                              "components": {k: v.float().tolist() for k, v in out.components.items()}})
 
-    server = ThreadingHTTPServer((host, port), Handler)
+    try:
+        server = server_class((host, port), Handler)
+    except OSError as e:
+        raise bind_error(e, host, port) from None
     server.daemon_threads = True
     server.limits = lim  # type: ignore[attr-defined]
     return server
@@ -243,16 +378,18 @@ def serve(reward: Reward, host: str, port: int, max_body_mb: float | None = None
 
 
 def limits_from_config(cfg: Any) -> Limits:
-    """The :class:`Limits` fields present in a config node (``conf/serve_reward.yaml``); the rest keep defaults."""
-    fields = Limits.__dataclass_fields__
-    return Limits(**{k: type(getattr(Limits, k))(cfg[k]) for k in fields if cfg.get(k) is not None})
+    """The :class:`Limits` fields present in a config node (``conf/serve_reward.yaml``), each checked by
+    :func:`check_limit` (a one-line StepflowError naming the field); the rest keep defaults."""
+    return Limits(**{f.name: cfg[f.name] for f in fields(Limits) if cfg.get(f.name) is not None})
 
 
 @entry_point("serve_reward")
 def main(cfg) -> None:
     from stepflow.rewards.registry import build_reward
 
-    serve(build_reward(cfg.reward), cfg.host, int(cfg.port), limits=limits_from_config(cfg))
+    limits = limits_from_config(cfg)  # every check before the reward is built (a model can take minutes to load)
+    check_bind(cfg.host, cfg.port)
+    serve(build_reward(cfg.reward), cfg.host, int(cfg.port), limits=limits)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,9 @@
 """HTTP rewards against local servers on 127.0.0.1 in threads: the ``remote`` client (success, timeout -> retries ->
 RewardServiceError, retry-then-success, malformed replies, 4xx), ``unifiedreward`` against a fake OpenAI-compatible
-endpoint, and a ``stepflow.serve_reward`` round trip (client scores == local scores)."""
+endpoint, and a ``stepflow.serve_reward`` round trip (client scores == local scores). Settings that cannot work (a
+malformed ``reward.url``, a timeout of 0, negative retries, ...) are one line naming ``reward.<field>`` when the reward
+is built, bad metadata is refused before anything is sent, and a 4xx (the server's 422 for metadata its reward
+cannot use) is not retried."""
 
 from __future__ import annotations
 
@@ -488,3 +491,107 @@ def test_unifiedreward_backoff_is_interruptible(stop_flag):
         with pytest.raises(StopRequested):
             r(_images(1), ["x"])
         assert time.monotonic() - t0 < 3.0 and len(srv.calls) == 1
+
+
+# ------------------------------------------------------------------ settings, metadata, 4xx
+
+
+@pytest.mark.parametrize("url,needle", [
+    ("notaurl", "has no http:// or https:// scheme"),
+    ("127.0.0.1:18085", "has no http:// or https:// scheme"),
+    ("localhost:18085", "has no http:// or https:// scheme"),
+    ("ftp://127.0.0.1:18085", "has the scheme 'ftp'"),
+    ("http://", "names no host"),
+    ("http:///score", "names no host"),
+    ("http://127.0.0.1:99999", "bad port"),
+    ("http://127.0.0.1:abc", "bad port"),
+    ("http://127.0.0.1:0", "port 0"),
+    ("http://127.0.0.1:18085/a b", "spaces"),
+    ("", "must be an http(s) URL"),
+    (None, "must be an http(s) URL"),
+])
+def test_remote_malformed_url_is_one_line_when_built(url, needle, capsys):
+    from stepflow.cli import StepflowError, report
+    from stepflow.rewards.registry import build_reward
+
+    with pytest.raises(StepflowError) as ei:
+        _client(url)
+    msg = str(ei.value)
+    assert msg.startswith("reward.url: ") and needle in msg and "\n" not in msg
+    assert "reward.url=http://127.0.0.1:18085" in msg  # the fix
+    with pytest.raises(StepflowError) as ei:  # through Hydra's instantiate, as train / evaluate build it
+        build_reward({"_target_": "stepflow.rewards.remote.RemoteReward", "url": url})
+    assert str(ei.value) == msg
+    with pytest.raises(SystemExit) as ex:
+        report(ei.value)
+    assert ex.value.code != 0 and capsys.readouterr().err == f"stepflow: error: {msg}\n"
+
+
+@pytest.mark.parametrize("url", ["http://127.0.0.1:18085", "https://reward.example.org/score?x=1",
+                                 "http://[::1]:8080", "HTTP://host"])
+def test_remote_good_urls_are_accepted(url):
+    assert _client(url).url == url
+
+
+@pytest.mark.parametrize("field,value", [
+    ("timeout_s", 0), ("timeout_s", -1), ("timeout_s", float("inf")), ("timeout_s", float("nan")),
+    ("max_retries", -1), ("max_retries", 1.5), ("max_retries", "3"), ("request_batch_size", 0),
+    ("request_batch_size", True), ("concurrency", 0), ("backoff_s", -0.5), ("max_backoff_s", float("nan")),
+    ("progress_every_s", -1), ("max_reply_mb", 0), ("jpeg_quality", 0), ("jpeg_quality", 101),
+    ("headers", "Bearer x"), ("headers", {"Authorization": "a\r\nX-Evil: 1"}), ("headers", {"Bad Name": "x"}),
+])
+def test_remote_bad_setting_is_one_line_naming_it(field, value):
+    from stepflow.cli import StepflowError
+    from stepflow.rewards.registry import build_reward
+
+    with pytest.raises(StepflowError) as ei:
+        _client("http://127.0.0.1:9", **{field: value})
+    msg = str(ei.value)
+    assert msg.startswith(f"reward.{field}") and "\n" not in msg and f"; give reward.{field}=" in msg, msg
+    with pytest.raises(StepflowError, match=f"^reward.{field}"):
+        build_reward({"_target_": "stepflow.rewards.remote.RemoteReward", "url": "http://127.0.0.1:9", field: value})
+
+
+def test_remote_settings_keep_their_meaning():
+    r = _client("http://127.0.0.1:9", max_retries=0, backoff_s=0, progress_every_s=None, request_batch_size=8.0,
+                headers={"X-Token": 7})
+    assert (r.max_retries, r.backoff_s, r.progress_every_s, r.request_batch_size) == (0, 0.0, 0.0, 8)
+    assert r.headers == {"X-Token": "7"}
+
+
+@pytest.mark.parametrize("meta,needle", [([{"k": 1}], "3 prompts but 1 meta records"),
+                                         ([{"k": 1}, 7, None], r"meta\[1\] is a int")])
+def test_remote_bad_meta_is_refused_before_sending(meta, needle):
+    with FakeServer(_mean_reply) as srv:
+        with pytest.raises(ValueError, match=needle):
+            _client(srv.url)(_images(3), ["a", "b", "c"], meta)
+    assert srv.calls == []
+
+
+@pytest.mark.parametrize("meta,needle", [([{"j": 1}, {"k": 2}], "HTTP 422: the reward cannot score this request "
+                                                                "(KeyError: 'k')"),
+                                         ([{"k": "high"}, {"k": 2}], "HTTP 422: the reward cannot score this "
+                                                                     "request (ValueError: could not convert")])
+def test_metadata_the_server_reward_cannot_use_is_not_retried(meta, needle):
+    """serve_reward answers 422 for metadata its reward cannot use; the client raises at once with that line."""
+    srv, url = _serve(QuantizedMean())
+    try:
+        r = _client(url, max_retries=3)
+        with pytest.raises(RewardServiceError) as ei:
+            r(_images(2), ["a", "b"], meta)
+        msg = str(ei.value)
+        assert needle in msg and "was refused" in msg and "\n" not in msg
+        assert r.sleeps == []  # no retry
+        assert r(_images(2), ["a", "b"], [{"k": 1}, {"k": 2}]).scores.shape == (2,)  # the server goes on serving
+    finally:
+        srv.shutdown()
+        srv.server_close()
+
+
+@pytest.mark.parametrize("code", [400, 404, 413, 422])
+def test_remote_4xx_is_not_retried(code):
+    with FakeServer(lambda *a: (code, {"error": f"refused with {code}"}, 0.0)) as srv:
+        r = _client(srv.url, max_retries=4)
+        with pytest.raises(RewardServiceError, match=f"HTTP {code}: refused with {code}"):
+            r(_images(1), ["x"])
+    assert len(srv.calls) == 1 and r.sleeps == []

@@ -2,13 +2,17 @@
 and per request, images per request) before any pixel is decoded, malformed requests (``Content-Length``, JSON,
 types, empty batch, undecodable images, wrong path / method, a body that never comes) answered 4xx with one-line
 JSON in a few seconds, a busy server answering 503, the limits read from conf/serve_reward.yaml, and a small load
-test (8 threads x 10 requests, valid and malformed mixed) where every valid request gets its exact scores."""
+test (8 threads x 10 requests, valid and malformed mixed) where every valid request gets its exact scores. At start:
+limits that refuse everything (0, -1, inf, nan, not a number), a bad port, a port in use and a host that cannot be
+bound are one line naming the field, before the reward is built; metadata the reward cannot use is a 422, not a 500
+(which clients retry)."""
 
 from __future__ import annotations
 
 import base64
 import io
 import json
+import math
 import socket
 import struct
 import threading
@@ -18,8 +22,10 @@ import zlib
 import numpy as np
 import pytest
 import torch
+from conftest import run_cli
 from PIL import Image, ImageFile
 
+from stepflow.cli import StepflowError
 from stepflow.rewards.base import Reward, RewardOut
 from stepflow.rewards.loading import to_uint8
 
@@ -239,6 +245,9 @@ MALFORMED = {
     "prompt_not_str": ({"images": [_A8], "prompts": [3]}, 400),
     "meta_wrong_length": ({"images": [_A8], "prompts": ["x"], "meta": [{}, {}]}, 400),
     "meta_item_not_object": ({"images": [_A8], "prompts": ["x"], "meta": [7]}, 400),
+    "meta_item_list": ({"images": [_A8], "prompts": ["x"], "meta": [[{"tag": "x"}]]}, 400),
+    "meta_not_list": ({"images": [_A8], "prompts": ["x"], "meta": {"tag": "single_object"}}, 400),
+    "meta_string": ({"images": [_A8], "prompts": ["x"], "meta": "single_object"}, 400),
     "image_not_str": ({"images": [123], "prompts": ["x"]}, 400),
     "image_not_base64": ({"images": ["@@@not base64@@@"], "prompts": ["x"]}, 400),
     "image_not_image": ({"images": [b64(b"hello world, not an image")], "prompts": ["x"]}, 400),
@@ -432,3 +441,157 @@ def test_load_valid_and_malformed_from_threads():
     assert errors == []
     assert counts == {"valid": 40, "malformed": 40}
     assert time.monotonic() - t0 < 60
+
+
+# ---------------------------------------------------------------- start-up: limits, port, host
+
+
+def _one_line(e: BaseException, needle: str) -> str:
+    msg = str(e)
+    assert "\n" not in msg and needle in msg, msg
+    return msg
+
+
+#: (field, value) pairs that would refuse every request or drop every connection, or are no number at all
+BAD_LIMITS = [("max_images", -1), ("max_images", 0), ("max_images", 2.5), ("max_images", True), ("max_images", "8"),
+              ("max_body_mb", -1), ("max_body_mb", 0), ("max_body_mb", math.inf), ("max_body_mb", math.nan),
+              ("max_image_pixels", 0), ("max_request_pixels", -5), ("decode_workers", 0), ("max_inflight", 0),
+              ("max_inflight", -1), ("read_timeout_s", -1), ("read_timeout_s", 0), ("read_timeout_s", math.inf),
+              ("read_timeout_s", math.nan)]
+
+
+@pytest.mark.parametrize("field,value", BAD_LIMITS)
+def test_a_limit_that_refuses_everything_is_one_line_naming_it(field, value):
+    from stepflow.serve_reward import Limits, check_limit, make_server
+
+    with pytest.raises(StepflowError) as ei:
+        check_limit(field, value)
+    msg = _one_line(ei.value, f"{field}: must be ")
+    assert f"got {value!r}" in msg and f"; give {field}=" in msg
+    with pytest.raises(StepflowError, match=f"^{field}: must be "):
+        Limits(**{field: value})
+    reward = MeanReward()
+    with pytest.raises(StepflowError, match=f"^{field}: must be "):  # before anything is bound or served
+        make_server(reward, "127.0.0.1", 0, **{field: value})
+    assert reward.seen == []
+
+
+def test_limits_from_the_config_are_checked(compose):
+    from stepflow.serve_reward import Limits, limits_from_config
+
+    cfg = compose("serve_reward", ["reward=shapes_geneval", "max_image_pixels=-1"])
+    with pytest.raises(StepflowError, match=r"^max_image_pixels: must be an integer >= 1, got -1; "):
+        limits_from_config(cfg)
+    cfg = compose("serve_reward", ["reward=shapes_geneval", "max_images=4.0", "read_timeout_s=2"])
+    assert limits_from_config(cfg) == Limits(max_images=4, read_timeout_s=2.0)  # integral values are accepted
+
+
+@pytest.mark.parametrize("port", [99999, -1, 65536, "abc", 1.5, True, None])
+def test_a_port_outside_0_65535_is_one_line(port):
+    from stepflow.serve_reward import check_bind, make_server
+
+    with pytest.raises(StepflowError) as ei:
+        make_server(MeanReward(), "127.0.0.1", port)
+    _one_line(ei.value, "port: must be an integer in 0..65535")
+    with pytest.raises(StepflowError, match="^port: "):
+        check_bind("127.0.0.1", port)
+
+
+def test_a_port_in_use_is_one_line_naming_the_port():
+    from stepflow.serve_reward import check_bind, make_server
+
+    with Server(MeanReward()) as srv:
+        with pytest.raises(StepflowError) as ei:
+            make_server(MeanReward(), "127.0.0.1", srv.port)
+        msg = _one_line(ei.value, f"port: port {srv.port} is in use")
+        assert "port=0" in msg
+        with pytest.raises(StepflowError, match=f"^port: port {srv.port} is in use"):
+            check_bind("127.0.0.1", srv.port)  # the early check of the entry point, before the reward is built
+        req, expected = valid(1)  # the server that holds the port is not disturbed
+        status, reply, _ = post(srv.port, req)
+        assert status == 200 and reply["scores"] == pytest.approx(expected)
+
+
+@pytest.mark.parametrize("host,needle", [("nosuchhost.invalid", "host: cannot resolve 'nosuchhost.invalid'"),
+                                         ("192.0.2.1", "host: 192.0.2.1 is not an address of this machine"),
+                                         ("", "host: must be a host name"), (None, "host: must be a host name")])
+def test_a_host_that_cannot_be_bound_is_one_line(host, needle):
+    from stepflow.serve_reward import check_bind, make_server
+
+    with pytest.raises(StepflowError) as ei:
+        make_server(MeanReward(), host, 0)
+    assert "host=127.0.0.1" in _one_line(ei.value, needle)
+    with pytest.raises(StepflowError, match=f"^{needle}"):
+        check_bind(host, 0)
+
+
+def _cli_error(r, needle: str) -> str:
+    """The run ended non-zero with exactly one line ``stepflow: error: ...`` naming ``needle``, no traceback."""
+    assert r.returncode != 0, r.stdout[-2000:]
+    assert "Traceback" not in r.stderr, r.stderr[-3000:]
+    errors = [line for line in r.stderr.splitlines() if line.startswith("stepflow: error:")]
+    assert len(errors) == 1, r.stderr[-3000:]
+    assert needle in errors[0], errors[0]
+    return errors[0]
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["max_images=-1"], "max_images: must be an integer >= 1, got -1"),
+    # checked before the reward is built: its own error (mode) would come first otherwise
+    (["read_timeout_s=-1", "reward.mode=bogus"], "read_timeout_s: must be a finite number > 0, got -1"),
+])
+def test_serve_reward_cli_refuses_a_bad_limit_at_start(tmp_path, args, needle):
+    r = run_cli("stepflow.serve_reward", "reward=shapes_geneval", *args, "port=0", f"hydra.run.dir={tmp_path}",
+                timeout=60)  # a few seconds; a server that starts anyway serves until this timeout
+    _cli_error(r, needle)
+
+
+# ---------------------------------------------------------------- metadata the reward cannot use
+
+
+class KeyedReward(MeanReward):
+    """Reads meta[i]["k"]: a request without it is the client's fault (KeyError)."""
+
+    def score(self, images, prompts, meta):
+        ks = [float(m["k"]) for m in meta]
+        return RewardOut(super().score(images, prompts, meta).scores + torch.tensor(ks))
+
+
+@pytest.mark.parametrize("reward,meta,needle", [
+    ("shapes", [{"tag": "single_object", "include": "a circle"}], "ValueError"),
+    ("shapes", [{"tag": "single_object", "include": [{"class": "hexagon", "count": 1}]}], "hexagon"),
+    ("shapes", [{"include": [{"class": "circle", "count": 1}]}], "without a 'tag'"),
+    ("keyed", [{"j": 1}], "KeyError: 'k'"),
+    ("keyed", [None], "TypeError"),
+])
+def test_metadata_the_reward_cannot_use_is_a_422(reward, meta, needle):
+    from stepflow.rewards.shapes_geneval import ShapesGenEvalReward
+
+    rew = ShapesGenEvalReward() if reward == "shapes" else KeyedReward()
+    with Server(rew) as srv:
+        status, reply, dt = post(srv.port, {"images": [_A8], "prompts": ["a circle"], "meta": meta})
+        assert_one_line_error(status, reply, 422, 422, needle)
+        assert "the reward cannot score this request" in reply["error"] and dt < FEW_S
+        good = [{"tag": "single_object", "include": [{"class": "circle", "count": 1}]}] if reward == "shapes" \
+            else [{"k": 1}]
+        status, reply, _ = post(srv.port, {"images": [_A8], "prompts": ["a circle"], "meta": good})
+        assert status == 200 and len(reply["scores"]) == 1  # and the server goes on serving
+
+
+def test_a_reward_fault_is_still_a_500():
+    """What the reward raises for other reasons (RuntimeError: a model that fell over, out of memory), and scores
+    of the wrong shape, are the server's fault: 500, which clients retry."""
+
+    class Fails(MeanReward):
+        def score(self, images, prompts, meta):
+            raise RuntimeError("CUDA error: device-side assert")
+
+    class WrongShape(MeanReward):
+        def score(self, images, prompts, meta):
+            return RewardOut(torch.zeros(len(prompts) + 1))
+
+    for reward, needle in ((Fails(), "RuntimeError: CUDA error"), (WrongShape(), "scores of shape (2,)")):
+        with Server(reward) as srv:
+            req, _ = valid(1)
+            status, reply, _ = post(srv.port, req)
+            assert_one_line_error(status, reply, 500, 500, needle)

@@ -29,9 +29,16 @@ so that server must be trusted: a warning says so once.
 
 Failure policy (shared with :mod:`stepflow.rewards.unifiedreward`): timeouts, connection errors, 408, 429 and 5xx are
 retried ``max_retries`` times with exponential backoff ``backoff_s · 2^attempt`` (capped at ``max_backoff_s``);
-then, or at once on any other 4xx, :class:`RewardServiceError` is raised (one line: URL, attempts, last error), so
-the training loop can checkpoint and stop cleanly. A reply that is not what the protocol promises raises
-:class:`MalformedReplyError` naming what was expected.
+then, or at once on any other 4xx (``serve_reward`` answers 400 / 413 for a malformed or oversized request and 422
+for metadata its reward cannot use), :class:`RewardServiceError` is raised (one line: URL, attempts, last error,
+the server's own one-line reason), so the training loop can checkpoint and stop cleanly. A reply that is not what
+the protocol promises raises :class:`MalformedReplyError` naming what was expected.
+
+Settings are checked when the reward is built, before any request (:class:`RemoteConfigError`, one line naming
+``reward.<field>``): ``url`` an http(s) URL with a host (:func:`check_url`), ``timeout_s`` and ``max_reply_mb`` > 0,
+``max_retries``, ``backoff_s``, ``max_backoff_s``, ``progress_every_s`` >= 0, ``request_batch_size`` and
+``concurrency`` integers >= 1, ``jpeg_quality`` in 1..100 (every number finite), ``headers`` one-line strings.
+Per call, ``meta`` must hold one record (a dict or None) per prompt (:func:`check_meta`), before anything is sent.
 
 Waiting is interruptible: the HTTP exchange runs in a daemon thread while the caller waits in slices of
 ``POLL_S`` seconds, so :mod:`stepflow.stop` (set by the training run's SIGTERM handler) raises
@@ -56,6 +63,7 @@ import socket
 import threading
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -66,8 +74,9 @@ from PIL import Image
 from torch import Tensor
 
 from stepflow import stop
+from stepflow.cli import StepflowError
 from stepflow.rewards.base import Reward, RewardOut
-from stepflow.rewards.errors import MalformedReplyError, RewardServiceError, one_line
+from stepflow.rewards.errors import MalformedReplyError, RewardError, RewardServiceError, one_line
 from stepflow.rewards.loading import to_uint8
 
 log = logging.getLogger(__name__)
@@ -465,6 +474,96 @@ def parse_geneval_reply(data: Any, n: int, what: str, url: str, geneval_score: s
 _WARNED_PICKLE: set[str] = set()
 
 
+# ---------------------------------------------------------------- the client's settings
+
+
+class RemoteConfigError(StepflowError, RewardError):
+    """A setting of the remote reward (``reward.<field>``) that cannot work, raised when the reward is built, before
+    any request: one line naming the field and the fix. A :class:`StepflowError` (the entry points print it as is)
+    and a :class:`RewardError` (``build_reward`` unwraps it from Hydra's InstantiationException)."""
+
+
+_URL_FIX = "give reward.url=http://<host>:<port>, e.g. reward.url=http://127.0.0.1:18085"
+
+
+def check_url(url: Any) -> str:
+    """An ``http://`` or ``https://`` URL with a host (and, when given, a port in 1..65535). ``reward.url=notaurl``,
+    ``127.0.0.1:18085`` (no scheme), ``ftp://...``, ``http://`` (no host), ``http://h:99999`` or a URL holding
+    spaces raise :class:`RemoteConfigError` naming ``reward.url``: urllib would fail only at the first request,
+    with a bare OS error, after every retry."""
+    if not isinstance(url, str) or not url.strip():
+        raise RemoteConfigError(f"reward.url: must be an http(s) URL, got {url!r}; {_URL_FIX}")
+    if any(c.isspace() or not c.isprintable() for c in url):
+        raise RemoteConfigError(f"reward.url: {url!r} holds spaces or control characters; {_URL_FIX} "
+                                f"(percent-encode them in a path)")
+    parts = urllib.parse.urlsplit(url)
+    if "://" not in url:
+        raise RemoteConfigError(f"reward.url: {url!r} has no http:// or https:// scheme; {_URL_FIX}")
+    if parts.scheme.lower() not in ("http", "https"):
+        raise RemoteConfigError(f"reward.url: {url!r} has the scheme {parts.scheme!r}; the reward services speak "
+                                f"http or https: {_URL_FIX}")
+    if not parts.hostname:
+        raise RemoteConfigError(f"reward.url: {url!r} names no host; {_URL_FIX}")
+    try:
+        port = parts.port
+    except ValueError as e:
+        raise RemoteConfigError(f"reward.url: {url!r} has a bad port ({one_line(e, 80)}); the port is a number in "
+                                f"1..65535: {_URL_FIX}") from None
+    if port == 0:
+        raise RemoteConfigError(f"reward.url: {url!r} has port 0, which cannot be connected to; {_URL_FIX}")
+    return url
+
+
+def check_setting(name: str, value: Any, *, integer: bool = False, low: float = 0.0, low_ok: bool = True,
+                  high: float | None = None, hint: str = "") -> int | float:
+    """A numeric setting ``reward.<name>`` as int / float: a finite number (an integer when ``integer``; bools and
+    strings are refused) >= ``low`` (> ``low`` unless ``low_ok``) and <= ``high``; else :class:`RemoteConfigError`
+    naming the field, what it must be, and ``hint``."""
+    ok = isinstance(value, numbers.Real) and not isinstance(value, (bool, np.bool_)) and math.isfinite(value)
+    ok = ok and (float(value).is_integer() if integer else True)
+    ok = ok and (value >= low if low_ok else value > low) and (high is None or value <= high)
+    if not ok:
+        kind = "an integer" if integer else "a finite number"
+        bound = f"in {low:g}..{high:g}" if high is not None else f"{'>=' if low_ok else '>'} {low:g}"
+        raise RemoteConfigError(f"reward.{name}: must be {kind} {bound}, got {value!r}; give reward.{name}="
+                                f"<{hint or kind}>")
+    return int(value) if integer else float(value)
+
+
+def check_headers(headers: Any) -> dict[str, str]:
+    """``reward.headers``: a mapping of header names (tokens, no ``:`` or spaces) to values without line breaks
+    (a string or number); else :class:`RemoteConfigError` (http.client would refuse it at the first request)."""
+    if headers is None:
+        return {}
+    fix = "give reward.headers={Authorization: 'Bearer <token>'} or reward.headers={}"
+    if not isinstance(headers, dict) and not hasattr(headers, "items"):
+        raise RemoteConfigError(f"reward.headers: must map header names to values, got {type(headers).__name__}; "
+                                f"{fix}")
+    out = {}
+    for k, v in headers.items():
+        if not isinstance(k, str) or not k or any(c in k for c in ": \t\r\n") or not k.isprintable():
+            raise RemoteConfigError(f"reward.headers: {k!r} is not a header name; {fix}")
+        if isinstance(v, bool) or not isinstance(v, (str, numbers.Real)) or any(c in str(v) for c in "\r\n\0"):
+            raise RemoteConfigError(f"reward.headers.{k}: must be a one-line string, got {v!r}; {fix}")
+        out[k] = str(v)
+    return out
+
+
+def check_meta(meta: Sequence[Any] | None, n: int, what: str) -> None:
+    """Before anything is sent: ``meta`` is None or ``n`` records (JSON objects or None), as the server checks
+    (it would answer 400 after the images were encoded and sent)."""
+    if meta is None:
+        return
+    if len(meta) != n:
+        raise ValueError(f"{what}: {n} prompts but {len(meta)} meta records; pass one metadata record (or None) "
+                         f"per prompt")
+    bad = next((i for i, m in enumerate(meta) if m is not None and not isinstance(m, dict)
+                and not hasattr(m, "items")), None)
+    if bad is not None:
+        raise ValueError(f"{what}: meta[{bad}] is a {type(meta[bad]).__name__}; each meta record must be a dict "
+                         f"(a JSON object) or None")
+
+
 # ---------------------------------------------------------------- the client reward
 
 
@@ -496,25 +595,37 @@ class RemoteReward(Reward):
                  progress_every_s: float = 10.0, max_reply_mb: float = 64.0, protocol: str = "stepflow",
                  geneval_score: str = "partial", only_strict: bool = True, jpeg_quality: int = 75):
         if protocol not in PROTOCOLS:
-            raise ValueError(f"remote reward: protocol must be one of {PROTOCOLS}, got {protocol!r}")
+            raise RemoteConfigError(f"reward.protocol: the protocol must be one of {PROTOCOLS}, got {protocol!r}; "
+                                    f"give reward.protocol=stepflow (serve_reward) or reward.protocol=flow_grpo "
+                                    f"(Flow-GRPO's reward-server)")
         if geneval_score not in GENEVAL_SCORES:
-            raise ValueError(f"remote reward: geneval_score must be one of {tuple(GENEVAL_SCORES)}, "
-                             f"got {geneval_score!r}")
+            raise RemoteConfigError(f"reward.geneval_score: geneval_score must be one of {tuple(GENEVAL_SCORES)}, "
+                                    f"got {geneval_score!r}; give reward.geneval_score=partial")
         if protocol == "flow_grpo" and geneval_score == "correct" and only_strict:
-            raise ValueError("remote reward: geneval_score=correct needs only_strict=false (with only_strict the "
-                             "GenEval server answers 0 for every 'rewards' entry)")
+            raise RemoteConfigError("reward.geneval_score: geneval_score=correct needs only_strict=false (with "
+                                    "only_strict the GenEval server answers 0 for every 'rewards' entry); give "
+                                    "reward.only_strict=false")
         if protocol == "flow_grpo" and not send_meta:
-            raise ValueError("remote reward: protocol flow_grpo always sends the GenEval metadata (send_meta=true)")
-        self.url = url
-        self.request_batch_size = max(1, int(request_batch_size))
-        self.concurrency = max(1, int(concurrency))
-        self.timeout_s, self.max_retries = float(timeout_s), int(max_retries)
-        self.backoff_s, self.max_backoff_s = float(backoff_s), float(max_backoff_s)
+            raise RemoteConfigError("reward.send_meta: protocol flow_grpo always sends the GenEval metadata; give "
+                                    "reward.send_meta=true")
+        self.url = check_url(url)
+        self.request_batch_size = check_setting("request_batch_size", request_batch_size, integer=True, low=1,
+                                                hint="images per request, e.g. 64")
+        self.concurrency = check_setting("concurrency", concurrency, integer=True, low=1,
+                                         hint="requests in flight at once, e.g. 1")
+        self.timeout_s = check_setting("timeout_s", timeout_s, low_ok=False, hint="seconds per attempt, e.g. 120")
+        self.max_retries = check_setting("max_retries", max_retries, integer=True, hint="retries, e.g. 5 (0: none)")
+        self.backoff_s = check_setting("backoff_s", backoff_s, hint="seconds before the first retry, e.g. 1.0")
+        self.max_backoff_s = check_setting("max_backoff_s", max_backoff_s, hint="seconds, e.g. 60")
         self.send_meta = bool(send_meta)
-        self.headers = dict(headers or {})
-        self.progress_every_s, self.max_reply_mb = float(progress_every_s or 0), float(max_reply_mb)
+        self.headers = check_headers(headers)
+        self.progress_every_s = check_setting("progress_every_s", progress_every_s or 0,
+                                              hint="seconds between progress warnings, e.g. 10 (0: off)")
+        self.max_reply_mb = check_setting("max_reply_mb", max_reply_mb, low_ok=False, hint="MB, e.g. 64")
         self.protocol, self.geneval_score = protocol, geneval_score
-        self.only_strict, self.jpeg_quality = bool(only_strict), int(jpeg_quality)
+        self.only_strict = bool(only_strict)
+        self.jpeg_quality = check_setting("jpeg_quality", jpeg_quality, integer=True, low=1, high=100,
+                                          hint="JPEG quality, e.g. 75")
         if name:
             self.name = name
         self._sleep: Callable[[float], None] = backoff_wait
@@ -554,6 +665,7 @@ class RemoteReward(Reward):
         return parse_reply(data, len(prompts), what, self.url)
 
     def score(self, images: Tensor, prompts: Sequence[str], meta: Sequence[dict] | None) -> RewardOut:
+        check_meta(meta, len(prompts), f"reward {self.name}")
         step = self.request_batch_size
         chunks = [(images[i:i + step], prompts[i:i + step], None if meta is None else meta[i:i + step])
                   for i in range(0, len(prompts), step)]
