@@ -11,6 +11,10 @@ VAE and with the estimate decoder, and reports per state k the mean within-group
 cheap), per step the same for the gains G_k, the correlation of the resulting advantages, and the seconds each
 decoder took. With random tiny weights (``--tiny``) the correlations say nothing about TAESD's quality; the check is
 there to run on the real models.
+
+Bad input (an unknown override, a model without an estimate decoder, ``--batches 0``, a failing load) ends in one
+line ``stepflow: error: <field>: <what>; <fix>`` and exit status 2, as the entry points (``HYDRA_FULL_ERROR=1``
+shows the traceback).
 """
 
 from __future__ import annotations
@@ -49,23 +53,61 @@ def within_group(x, y, groups) -> float:
     return sum(vals) / len(vals) if vals else float("nan")
 
 
-def measure(overrides: list[str], batches: int) -> dict:
-    import torch
+def compose_train(overrides: list[str]):
+    """The training config with ``overrides``; a bad override is one line (:func:`stepflow.cli.compose_error`)."""
     from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
 
+    from stepflow.cli import CONF_DIR, StepflowError, compose_error
+
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+            return compose(config_name="train", overrides=overrides)
+    except Exception as e:  # noqa: BLE001 - ConfigCompositionException, OverrideParseException, ...
+        raise StepflowError(compose_error(e)) from None
+    finally:
+        GlobalHydra.instance().clear()
+
+
+def _takes_estimate_vae(cfg) -> None:
+    from stepflow.cli import StepflowError
+
+    if "estimate_vae" not in cfg.model:
+        name = cfg.model.get("name") or cfg.model.get("_target_")
+        raise StepflowError(f"model.estimate_vae: model {name} takes no estimate decoder (SD3 / SD3.5 and FLUX.1 "
+                            "do); pick one of those models")
+
+
+def training_config(overrides: list[str]):
+    """The composed training config, checked before anything loads: the model takes an estimate decoder (asked
+    first without the ``model.estimate_vae`` overrides, so that a model without one says so) and one is set."""
+    from stepflow.cli import StepflowError
+
+    est = [o for o in overrides if o.lstrip("+~").startswith("model.estimate_vae=")]
+    if est:
+        _takes_estimate_vae(compose_train([o for o in overrides if o not in est]))
+    cfg = compose_train(overrides)
+    _takes_estimate_vae(cfg)
+    if not cfg.model.estimate_vae:
+        raise StepflowError("model.estimate_vae: not set; set model.estimate_vae=<AutoencoderTiny Hub id or folder> "
+                            "(e.g. madebyollin/taesd3), or pass --tiny")
+    return cfg
+
+
+def measure(overrides: list[str], batches: int) -> dict:
+    import torch
+
     from stepflow.advantage import AdvantageConfig, AdvantageEstimator
-    from stepflow.cli import CONF_DIR
+    from stepflow.cli import StepflowError
     from stepflow.rollout import estimate_states, rollout, score
     from stepflow.train import build_module
 
-    GlobalHydra.instance().clear()
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        cfg = compose(config_name="train", overrides=overrides)
+    if batches < 1:
+        raise StepflowError(f"--batches: must be >= 1, got {batches}")
+    cfg = training_config(overrides)
     module = build_module(cfg, Path("/tmp/stepflow_estimate_decoder"))
     lr, lp, pol = module.learner, module.loop, module.policy
-    if getattr(pol, "estimate_vae", None) is None:
-        raise SystemExit("check_estimate_decoder: set model.estimate_vae=<AutoencoderTiny id or folder> (or --tiny)")
     tiny = pol.estimate_vae
     est = AdvantageEstimator(AdvantageConfig(scheme="gain"))
     rows = {"full": [], "cheap": [], "groups": []}
@@ -92,8 +134,17 @@ def measure(overrides: list[str], batches: int) -> dict:
             "decode_and_score_s": secs}
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse whose errors are one :class:`~stepflow.cli.StepflowError` line (not usage + message)."""
+
+    def error(self, message: str):
+        from stepflow.cli import StepflowError
+
+        raise StepflowError(f"{message}; see --help")
+
+
 def main(argv=None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = _Parser(description=__doc__.splitlines()[0])
     ap.add_argument("--batches", type=int, default=2)
     ap.add_argument("--tiny", action="store_true", help="sd3_tiny + pickscore_tiny + a tiny random AutoencoderTiny")
     ap.add_argument("--json", default=None)
@@ -106,7 +157,7 @@ def main(argv=None) -> dict:
     if args.tiny:
         from stepflow.policies.tiny import tiny_taesd_dir
 
-        overrides = ["model=sd3_tiny", "reward=pickscore_tiny", f"+model.estimate_vae={tiny_taesd_dir()}", *overrides]
+        overrides = ["model=sd3_tiny", "reward=pickscore_tiny", f"model.estimate_vae={tiny_taesd_dir()}", *overrides]
     res = measure(overrides, args.batches)
     fmt = lambda xs: " ".join(f"{x:+.2f}" for x in xs)  # noqa: E731
     print(f"within-group Spearman, full VAE vs estimate decoder, {res['samples']} samples:")
@@ -115,9 +166,23 @@ def main(argv=None) -> dict:
     print(f"  advantages         {fmt(res['advantage_rank_corr'])}")
     print(f"  decode + score: full {res['decode_and_score_s']['full']:.2f} s, cheap {res['decode_and_score_s']['cheap']:.2f} s")
     if args.json:
-        Path(args.json).write_text(json.dumps(res, indent=1))
+        out = Path(args.json)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(res, indent=1))
     return res
 
 
+def cli(argv=None) -> None:
+    """:func:`main` with the entry points' one-line errors (``HYDRA_FULL_ERROR=1``: the traceback)."""
+    from stepflow.cli import debugging, report
+
+    try:
+        main(argv)
+    except Exception as e:  # noqa: BLE001 - every error is one line unless debugging
+        if debugging():
+            raise
+        report(e)
+
+
 if __name__ == "__main__":
-    main()
+    cli()

@@ -6,14 +6,20 @@
 - :class:`IterationCheckpoint` writes ``checkpoints/last.ckpt`` after every finished GRPO iteration, whether or not
   the optimizer stepped in it (an iteration whose advantages were all zero takes no step), and keeps
   ``iter_XXXX.ckpt`` every ``keep_every`` iterations.
-- :func:`safe_load` is the one way stepflow reads a checkpoint a user hands it (never unpickling code).
+- :func:`safe_load` is the one way stepflow reads a checkpoint a user hands it (never unpickling code; a file that
+  is no checkpoint at all, empty or random bytes or truncated, is told apart from one that would need code);
+- :func:`check_compatible` refuses, in one line, a checkpoint of another model (other keys or shapes) before
+  Lightning restores weights and optimizer state from it.
 """
 
 from __future__ import annotations
 
 import errno
 import os
+import pickle
 import uuid
+import warnings
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -21,24 +27,75 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 
-__all__ = ["AtomicCheckpointIO", "IterationCheckpoint", "checkpoint_callback", "safe_load", "atomic_write"]
+__all__ = ["AtomicCheckpointIO", "IterationCheckpoint", "atomic_write", "check_compatible", "checkpoint_callback",
+           "safe_load"]
 
 
-def safe_load(path: str | os.PathLike, field: str, map_location: Any = "cpu") -> Any:
+#: what a message about a checkpoint that cannot be resumed tells the user to do
+RESUME_FIX = "point it at <run dir>/checkpoints/last.ckpt"
+
+
+def safe_load(path: str | os.PathLike, field: str, map_location: Any = "cpu", fix: str = RESUME_FIX) -> Any:
     """``torch.load(path, weights_only=True)``: tensors, containers and plain values only. A file that would need
-    code to unpickle is refused with one line naming ``field`` and the path (its payload is never run)."""
+    code to unpickle is refused with one line naming ``field`` and the path (its payload is never run); a file that
+    is no checkpoint at all (empty, random bytes, truncated) is one line saying so, ending in ``fix``."""
     from stepflow.cli import StepflowError
+    from stepflow.rewards.loading import _refusal, _short, not_a_torch_file
 
     p = Path(path).expanduser()
     if not p.is_file():
-        raise StepflowError(f"{field}: checkpoint not found: {p}")
-    try:
-        return torch.load(str(p), map_location=map_location, weights_only=True)
-    except Exception as e:  # noqa: BLE001 - UnpicklingError, a truncated file, a file that is not a checkpoint
-        what = " ".join(str(e).split())
-        why = what.split("WeightsUnpickler error:")[-1].split(". ")[0].strip() if "Unpickler" in what else what[:160]
-        raise StepflowError(f"{field}: {p} cannot be loaded as a checkpoint without running code from it "
-                            f"(torch.load(weights_only=True) refused it: {why}); pass a checkpoint stepflow wrote") from None
+        raise StepflowError(f"{field}: checkpoint not found: {p}; {fix}")
+    why = not_a_torch_file(p)
+    if why is None:
+        try:
+            with warnings.catch_warnings():  # "Detected pickle protocol 4": the refusal below says what matters
+                warnings.simplefilter("ignore", UserWarning)
+                return torch.load(str(p), map_location=map_location, weights_only=True)
+        except pickle.UnpicklingError as e:  # a pickle of something other than tensors and plain values
+            raise StepflowError(f"{field}: {p} cannot be loaded as a checkpoint without running code from it "
+                                f"(torch.load(weights_only=True) refused it: {_refusal(e)}); pass a checkpoint "
+                                "stepflow wrote") from None
+        except Exception as e:  # noqa: BLE001 - EOFError, RuntimeError: a torch file cut short or corrupted
+            why = f"not a torch file: truncated or corrupted, {_short(e)}"
+    raise StepflowError(f"{field}: {p} is not a checkpoint ({why}); {fix}")
+
+
+def _shape(value: Any) -> tuple[int, ...]:
+    """A tensor's shape (``torch.Size``, a DTensor's global shape) or a shape given as a sequence, as a tuple."""
+    shape = getattr(value, "shape", value)
+    return tuple(int(n) for n in shape)
+
+
+def check_compatible(checkpoint: Any, expected: Mapping[str, Any], path: str | os.PathLike = "",
+                     field: str = "ckpt_path", needs: Sequence[str] = ()) -> None:
+    """Refuse, with one line, a checkpoint whose ``state_dict`` is not the module's: another model, another LoRA
+    rank or targets, full fine-tuning vs LoRA. ``expected``: the module's ``state_dict()`` (or key -> shape);
+    ``needs``: other top-level entries the checkpoint must have (``"stepflow"`` for a GRPO run). The message names
+    ``field``, the first key that differs (in the module's key order, then the checkpoint's) and how many do."""
+    from stepflow.cli import StepflowError
+
+    where = str(path) or "the checkpoint"
+    if not isinstance(checkpoint, Mapping) or not isinstance(checkpoint.get("state_dict"), Mapping):
+        raise StepflowError(f"{field}: {where} is not a training checkpoint (no state_dict); {RESUME_FIX}")
+    missing = [k for k in needs if k not in checkpoint]
+    if missing:
+        raise StepflowError(f"{field}: {where} is not a checkpoint of this kind of run (no {missing[0]!r} entry: "
+                            f"written by another program?); {RESUME_FIX}")
+    got = {k: _shape(v) for k, v in checkpoint["state_dict"].items()}
+    want = {k: _shape(v) for k, v in expected.items()}
+    diffs = []
+    for k in [*want, *(k for k in got if k not in want)]:
+        if k not in got:
+            diffs.append(f"{k}: in the model, not in the checkpoint")
+        elif k not in want:
+            diffs.append(f"{k}: in the checkpoint, not in the model")
+        elif got[k] != want[k]:
+            diffs.append(f"{k}: shape {list(got[k])} in the checkpoint vs {list(want[k])} in the model")
+    if diffs:
+        n = f"{len(diffs)} key{'s' if len(diffs) > 1 else ''} differ{'' if len(diffs) > 1 else 's'}"
+        raise StepflowError(f"{field}: {where} holds a checkpoint of another model ({diffs[0]}; {n}); resume with "
+                            "the run's own model settings (model=..., lora.rank, lora.targets, model.finetune of its "
+                            "config.yaml)")
 
 
 def atomic_write(path: str | os.PathLike, write) -> None:

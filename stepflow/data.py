@@ -39,33 +39,64 @@ def resolve_path(path: str | Path) -> Path:
     return Path(s).expanduser()
 
 
+#: how every prompt-file message ends: what a prompt file may look like
+_FORMATS = ".jsonl (one JSON object with a \"prompt\" string per line) or .txt (one prompt per line), UTF-8"
+
+
+def _read_text(p: Path, field: str) -> str:
+    """The file's text (UTF-8, a leading byte-order mark dropped); a file that is not UTF-8 is one line naming
+    ``field``, the byte offset and line of the first bad byte."""
+    data = p.read_bytes()
+    try:
+        return data.decode("utf-8-sig")
+    except UnicodeDecodeError as e:
+        start = e.start + (3 if data.startswith(b"\xef\xbb\xbf") else 0)
+        line = data.count(b"\n", 0, start) + 1
+        raise PromptFileError(f"{field}: {p} is not UTF-8 text (byte {start}, line {line}: "
+                              f"{data[start:start + 1]!r} {e.reason}); re-save it as UTF-8 (e.g. `iconv -f latin1 "
+                              f"-t utf-8 in > out`)") from None
+
+
+def _jsonl_record(line: str, where: str, field: str) -> dict[str, Any]:
+    """One ``.jsonl`` line -> its record; one line naming ``field`` and ``path:line`` when it is not one."""
+    try:
+        rec = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise PromptFileError(f"{field}: {where} is not valid JSON ({e.msg}, column {e.colno}); each line of a "
+                              f".jsonl prompt file is one JSON object with a \"prompt\" string") from None
+    if not isinstance(rec, dict):
+        raise PromptFileError(f"{field}: {where} is a JSON {type(rec).__name__}, not an object; each line of a "
+                              f".jsonl prompt file is one JSON object with a \"prompt\" string")
+    if not isinstance(rec.get("prompt"), str):
+        got = "no 'prompt' field" if "prompt" not in rec else f"'prompt' is a {type(rec['prompt']).__name__}"
+        raise PromptFileError(f"{field}: {where} has no string 'prompt' field ({got}); give every line "
+                              f"{{\"prompt\": \"...\"}}")
+    return rec
+
+
 def load_prompt_file(path: str | Path, field: str = "data.train_file") -> list[dict[str, Any]]:
     """Read a prompt file into a list of records ``{"prompt": str, ...meta}``.
 
     Raises :class:`PromptFileError` with a one-line message naming ``field`` and the path when the file is missing,
-    empty or has a malformed line.
+    a directory, not UTF-8 (with the byte offset), empty, or has a malformed line (with the line number).
     """
     p = resolve_path(path)
+    if p.is_dir():
+        raise PromptFileError(f"{field}: {p} is a directory, not a prompt file; set {field}=/path/to/prompts.jsonl "
+                              "or .txt")
     if not p.is_file():
         raise PromptFileError(f"{field}: prompt file not found: {p} (set {field}=/path/to/prompts.jsonl or .txt)")
+    if p.suffix == ".json":
+        raise PromptFileError(f"{field}: {p} is a .json file; stepflow reads {_FORMATS}")
     records: list[dict[str, Any]] = []
-    with p.open(encoding="utf-8") as fh:
-        for n, line in enumerate(fh, 1):
-            line = line.strip()
-            if not line:
-                continue
-            if p.suffix == ".jsonl":
-                try:
-                    rec = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise PromptFileError(f"{field}: {p}:{n} is not valid JSON ({e.msg})") from None
-                if not isinstance(rec, dict) or not isinstance(rec.get("prompt"), str):
-                    raise PromptFileError(f"{field}: {p}:{n} has no string 'prompt' field")
-                records.append(rec)
-            else:
-                records.append({"prompt": line})
+    text = _read_text(p, field).replace("\r\n", "\n").replace("\r", "\n")  # universal newlines, as open()
+    for n, line in enumerate(text.split("\n"), 1):
+        line = line.strip()
+        if not line:
+            continue
+        records.append(_jsonl_record(line, f"{p}:{n}", field) if p.suffix == ".jsonl" else {"prompt": line})
     if not records:
-        raise PromptFileError(f"{field}: prompt file is empty: {p}")
+        raise PromptFileError(f"{field}: prompt file is empty: {p}; give {_FORMATS}")
     return records
 
 

@@ -126,6 +126,13 @@ class GRPOModule(L.LightningModule):
         }
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
+        from stepflow.checkpoint import check_compatible
+
+        # before Lightning loads the weights and the optimizer: another model's checkpoint is one line, not a shape
+        # error deep in the optimizer's state (FSDP2 / DeepSpeed load the weights themselves and hand the rest here)
+        if "state_dict" in checkpoint:
+            where = getattr(self._trainer, "ckpt_path", None) if self._trainer is not None else None
+            check_compatible(checkpoint, self.state_dict(), where or "", needs=("stepflow",))
         s = checkpoint["stepflow"]
         self.iteration, self.learner.opt_steps = s["iteration"], s["opt_steps"]
         self.nfe_total, self.reward_images_total = s["nfe_total"], s["reward_images_total"]

@@ -109,7 +109,7 @@ class PretrainModule(pl.LightningModule):
         from stepflow.policies.shapes import ShapesPolicy
 
         self.save_hyperparameters()
-        self.policy = ShapesPolicy.build(vocab=vocab, max_length=max_length, **arch)
+        self.policy = ShapesPolicy.build(vocab=vocab, max_length=max_length, prefix="arch.", **arch)
         self.ema = copy.deepcopy(self.policy).requires_grad_(False).eval()
         self.optim_cfg, self.objective, self.ema_cfg, self.eval_cfg = optim, objective, ema, evaluation
         self.max_steps_total = int(max_steps)

@@ -299,3 +299,16 @@ def test_a_reward_constructor_error_is_one_line_naming_the_reward():
 
     with pytest.raises(StepflowError, match=r"^reward.*protocol.*bogus"):
         build_reward(OmegaConf.to_container(compose_config("train", ["reward=remote", "reward.protocol=bogus"]).reward))
+
+
+def test_a_checkpoint_of_another_model_is_refused_before_lightning_loads_it(tmp_path):
+    """Resumed outside its run dir (so no config.yaml to compare), another LoRA rank's checkpoint is one line naming
+    ckpt_path and the first differing weight, not a shape error in Lightning's optimizer code."""
+    from stepflow.train import run
+
+    run(compose_config("train", ["experiment=smoke", "loop.iterations=1", "eval.max_prompts=2", "lora.rank=2"]),
+        tmp_path / "a")
+    ckpt = tmp_path / "a" / "checkpoints" / "last.ckpt"
+    with pytest.raises(StepflowError, match=r"^ckpt_path: .*last.ckpt holds a checkpoint of another model \(.*lora"):
+        run(compose_config("train", ["experiment=smoke", "loop.iterations=2", "eval.max_prompts=2", "lora.rank=4",
+                                     f"ckpt_path={ckpt}"]), tmp_path / "b")

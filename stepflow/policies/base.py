@@ -20,7 +20,8 @@ from __future__ import annotations
 
 import contextlib
 import copy
-from collections.abc import Iterator, Sequence
+import math
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, fields
 from pathlib import Path
 
@@ -139,6 +140,78 @@ class TimeInputs:
             new[i] = v
         self.checked = True
         return tuple(new)
+
+
+def _user_error(msg: str) -> ValueError:
+    """The one-line error of a bad argument (a :class:`stepflow.cli.StepflowError`, a ``ValueError``)."""
+    from stepflow.cli import StepflowError
+
+    return StepflowError(msg)
+
+
+def check_number(field: str, value, *, ge: float | None = None, gt: float | None = None, le: float | None = None,
+                 integer: bool = False, optional: bool = False, hint: str = ""):
+    """``value`` as an int (``integer``) or a finite float within the bounds, else a one-line error naming
+    ``field`` (``model.guidance: must be >= 1 (1 = no CFG), got -1``). ``optional``: None passes (and is returned);
+    ``hint``: what the bound means, e.g. `` (1 = no CFG)``. Booleans, strings, inf and nan are refused."""
+    kind = "an integer" if integer else "a finite number"
+    if value is None:
+        if optional:
+            return None
+        raise _user_error(f"{field}: must be {kind}{hint}, got null")
+    try:
+        if isinstance(value, (bool, str, bytes)):
+            raise TypeError
+        v = float(value)
+    except (TypeError, ValueError):
+        raise _user_error(f"{field}: must be {kind}{hint}, got {value!r}") from None
+    if not math.isfinite(v):
+        raise _user_error(f"{field}: must be {kind}{hint}, got {value}")
+    if integer and v != int(v):
+        raise _user_error(f"{field}: must be {kind}{hint}, got {value}")
+    if ge is not None and le is not None and not ge <= v <= le:
+        raise _user_error(f"{field}: must be {kind} in {ge:g}..{le:g}{hint}, got {value}")
+    if ge is not None and v < ge:
+        raise _user_error(f"{field}: must be >= {ge:g}{hint}, got {value}")
+    if gt is not None and v <= gt:
+        raise _user_error(f"{field}: must be > {gt:g}{hint}, got {value}")
+    if le is not None and v > le:
+        raise _user_error(f"{field}: must be <= {le:g}{hint}, got {value}")
+    return int(v) if integer else v
+
+
+def check_args(values: Mapping[str, object], rules: Mapping[str, Mapping[str, object]], prefix: str = "model.") -> None:
+    """:func:`check_number` on every ``values[name]`` that ``rules`` has a rule for (``prefix + name`` is the field):
+    a policy calls it on its arguments at the top of its constructor and of ``from_pretrained``, before any weights
+    load."""
+    for name, rule in rules.items():
+        if name in values:
+            check_number(prefix + name, values[name], **rule)
+
+
+def check_image_size(height, width, multiple: int, why: str) -> tuple[int, int]:
+    """``(height, width)`` as ints, each a positive multiple of ``multiple`` (``why``: where it comes from, e.g.
+    ``VAE scale 8 x patch 2``), else a one-line error naming ``model.height`` / ``model.width`` and the nearest
+    valid values."""
+    out = []
+    for name, value in (("height", height), ("width", width)):
+        v = check_number(f"model.{name}", value, integer=True)
+        if v < multiple or v % multiple:
+            lo = v // multiple * multiple
+            near = f"{multiple}" if v < multiple else f"{lo} or {lo + multiple}"
+            raise _user_error(f"model.{name}: must be a positive multiple of {multiple} for this model ({why}), got "
+                              f"{value}; use {near}")
+        out.append(v)
+    return out[0], out[1]
+
+
+def lora_load_error(field: str, directory, err: BaseException) -> str:
+    """The one line for a LoRA that did not load from ``directory``: ``field``, the file, why, and the fix."""
+    why = " ".join(str(err).split()) or type(err).__name__
+    why = why.removeprefix("lora_path: ")
+    why = why if len(why) <= 200 else why[:197] + "..."
+    return (f"{field}: cannot load a LoRA from '{directory}' ({type(err).__name__}: {why}); point {field} at a LoRA "
+            f"saved for this model (a run's <run>/lora folder, or its pytorch_lora_weights.safetensors)")
 
 
 def check_time_grid(grid: Tensor, what: str = "time_grid") -> Tensor:
@@ -340,15 +413,22 @@ class FlowPolicy(nn.Module):
                                               transformer_lora_adapter_metadata=config, safe_serialization=True)
         return directory
 
-    def load_lora(self, directory) -> None:
+    def load_lora(self, directory, field: str = "lora_path") -> None:
         """Add a LoRA adapter and load it from ``directory`` (a diffusers ``save_lora_weights`` folder, a peft adapter
         folder or a ``.safetensors`` file; :func:`stepflow.evaluation.read_lora`), on exactly the modules it adapts.
-        Pipeline policies load through their pipeline's own ``load_lora_weights``."""
+        Pipeline policies load through their pipeline's own ``load_lora_weights``. A file that is not a LoRA of
+        this model (random bytes, another model's) is one line naming ``field``."""
         from stepflow.evaluation import read_lora
 
-        state, info = read_lora(directory)
-        self.add_lora(rank=info["rank"], alpha=info["alpha"], targets=info["targets"])
-        self.load_lora_state_dict(state)
+        if self.finetune == "full":
+            raise _user_error(f"{field}: model.finetune=full takes no LoRA adapter; load a fine-tuned transformer "
+                              "with model.transformer_path instead")
+        try:
+            state, info = read_lora(directory)
+            self.add_lora(rank=info["rank"], alpha=info["alpha"], targets=info["targets"])
+            self.load_lora_state_dict(state)
+        except Exception as e:  # noqa: BLE001 - SafetensorError, a missing file, another model's adapter
+            raise _user_error(lora_load_error(field, directory, e)) from None
         if hasattr(self, "clear_cache"):
             self.clear_cache()
 

@@ -35,7 +35,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from stepflow.policies.base import LORA_TARGETS_SD3, Cond, check_time_grid
+from stepflow.policies.base import LORA_TARGETS_SD3, Cond, check_image_size, check_time_grid
 from stepflow.policies.pipeline import PipelinePolicy, load_pipeline, resolve_dtype
 
 __all__ = ["FLUX_DEV", "FLUX_SCHNELL", "LORA_TARGETS_FLUX", "FluxPolicy", "flux_mu", "load_flux_pipeline",
@@ -120,6 +120,12 @@ class FluxPolicy(PipelinePolicy):
     """
 
     text_encoder_names = ("text_encoder", "text_encoder_2")
+    ARG_RULES = {**PipelinePolicy.ARG_RULES,
+                 "max_sequence_length": {"integer": True, "ge": 1, "le": 512,
+                                         "hint": " (T5 tokens; FluxPipeline: 512, schnell: 256)"},
+                 "embedded_guidance": {"optional": True, "ge": 0.0,
+                                       "hint": " (the distilled guidance the transformer embeds: FLUX.1-dev 3.5; null "
+                                               "for schnell)"}}
 
     def __init__(self, pipe, *, height: int = 512, width: int = 512, max_sequence_length: int = 512,
                  embedded_guidance: float | None = 3.5, gradient_checkpointing: bool = False,
@@ -127,14 +133,14 @@ class FluxPolicy(PipelinePolicy):
                  decode_batch_size: int = 8, encode_batch_size: int = 16, lora: Mapping[str, Any] | None = None,
                  finetune: str = "lora", name: str | None = None,
                  estimate_vae: str | None = None):
+        self.check_args(locals())  # the numeric arguments, before the estimate decoder or a LoRA loads
         vae_scale = 2 ** (len(pipe.vae.config.block_out_channels) - 1)
-        multiple = vae_scale * 2
-        if height % multiple or width % multiple:
-            raise ValueError(f"height/width ({height}x{width}) must be multiples of {multiple} for this model")
+        height, width = check_image_size(height, width, vae_scale * 2, f"VAE scale {vae_scale} x 2x2 packing")
         if pipe.transformer.config.in_channels != 4 * pipe.vae.config.latent_channels:
             raise ValueError("transformer in_channels != 4 x VAE latent channels: not a FLUX pipeline")
-        if not 0 < int(max_sequence_length) <= 512:
-            raise ValueError(f"max_sequence_length: FLUX takes 1..512 T5 tokens, got {max_sequence_length}")
+        if pipe.transformer.config.guidance_embeds and embedded_guidance is None:
+            raise ValueError("model.embedded_guidance: this FLUX transformer is guidance-distilled (FLUX.1-dev); "
+                             "give the scale it embeds (3.5)")
         super().__init__(pipe, name=name or str(getattr(pipe, "name_or_path", "") or "flux"),
                          max_sequence_length=max_sequence_length, gradient_checkpointing=gradient_checkpointing,
                          offload_text_encoders=offload_text_encoders, guidance=guidance, eval_guidance=eval_guidance,
@@ -145,9 +151,6 @@ class FluxPolicy(PipelinePolicy):
         self.latent_shape = (int(pipe.vae.config.latent_channels), self.height // vae_scale, self.width // vae_scale)
         self.image_seq_len = (self.latent_shape[1] // 2) * (self.latent_shape[2] // 2)
         if pipe.transformer.config.guidance_embeds:
-            if embedded_guidance is None:
-                raise ValueError("model.embedded_guidance: this FLUX transformer is guidance-distilled (FLUX.1-dev); "
-                                 "give the scale it embeds (3.5)")
             self.embedded_guidance: float | None = float(embedded_guidance)
         else:
             self.embedded_guidance = None
@@ -163,8 +166,9 @@ class FluxPolicy(PipelinePolicy):
         :class:`FluxPolicy`. dtype: transformer + text encoders (``bfloat16`` for training, ``float32`` for exact
         tests); vae_dtype: the VAE's; device: where to move the modules (``None``: leave them, Lightning moves them);
         transformer_path: a fully fine-tuned transformer (``save_trained``) to use instead of the pipeline's."""
-        pipe = load_flux_pipeline(path, resolve_dtype(dtype, torch.bfloat16), resolve_dtype(vae_dtype),
-                                  transformer_path=transformer_path)
+        cls.check_args(kwargs)  # a bad numeric argument is one line before the weights load
+        pipe = load_flux_pipeline(path, resolve_dtype(dtype, torch.bfloat16, "model.dtype"),
+                                  resolve_dtype(vae_dtype, field="model.vae_dtype"), transformer_path=transformer_path)
         policy = cls(pipe, **kwargs)
         policy._move_to(device)
         return policy

@@ -16,6 +16,7 @@ pipeline's own ``encode_prompt``), ``_collate`` (cache rows -> :class:`~stepflow
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
@@ -25,7 +26,8 @@ import torch
 from torch import Tensor
 
 from stepflow.cli import StepflowError as _UserError  # the entry points print it (a ValueError) as one line
-from stepflow.policies.base import Cond, FlowPolicy, TimeInputs
+from stepflow.policies.base import Cond, FlowPolicy, TimeInputs, lora_load_error
+from stepflow.policies.base import check_args as _check_args
 
 __all__ = ["ModelLoadError", "PipelinePolicy", "load_pipeline", "resolve_dtype"]
 
@@ -43,8 +45,9 @@ class ModelLoadError(_UserError):
     """
 
 
-def resolve_dtype(dtype: str | torch.dtype | None, default: torch.dtype = torch.float32) -> torch.dtype:
-    """``"bfloat16"``/``"bf16"``/``"float32"``/... or a ``torch.dtype`` -> ``torch.dtype``."""
+def resolve_dtype(dtype: str | torch.dtype | None, default: torch.dtype = torch.float32,
+                  field: str = "dtype") -> torch.dtype:
+    """``"bfloat16"``/``"bf16"``/``"float32"``/... or a ``torch.dtype`` -> ``torch.dtype`` (errors name ``field``)."""
     if dtype is None:
         return default
     if isinstance(dtype, torch.dtype):
@@ -52,7 +55,7 @@ def resolve_dtype(dtype: str | torch.dtype | None, default: torch.dtype = torch.
     try:
         return _DTYPES[str(dtype).lower().removeprefix("torch.")]
     except KeyError:
-        raise ValueError(f"dtype={dtype!r}: use one of bfloat16, float16, float32") from None
+        raise ValueError(f"{field}: must be one of bfloat16, float16, float32, got {dtype!r}") from None
 
 
 def _first_line(err: BaseException, limit: int = 240) -> str:
@@ -68,6 +71,22 @@ def _looks_local(path: str) -> bool:
 
 def _offline() -> bool:
     return os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes")
+
+
+def check_json_files(folder: Path, field: str, fix: str) -> None:
+    """Every ``*.json`` of a local model folder (``model_index.json``, each component's ``config.json``, tokenizer
+    files) and of its direct subfolders must parse, else one line naming ``field`` and the file: diffusers' own
+    error names neither."""
+    for f in sorted([*folder.glob("*.json"), *folder.glob("*/*.json")]):
+        try:
+            json.loads(f.read_text(encoding="utf-8"))
+        except UnicodeDecodeError as e:
+            raise ModelLoadError(f"{field}: {f} is not UTF-8 text (byte {e.start}); {fix}") from None
+        except json.JSONDecodeError as e:
+            raise ModelLoadError(f"{field}: {f} is not valid JSON ({e.msg.removesuffix(' at')}, line {e.lineno} "
+                                 f"column {e.colno}); {fix}") from None
+        except OSError as e:
+            raise ModelLoadError(f"{field}: cannot read {f} ({_first_line(e)}); {fix}") from None
 
 
 def load_pipeline(pipeline_cls, path: str, dtype: torch.dtype = torch.bfloat16,
@@ -87,15 +106,16 @@ def load_pipeline(pipeline_cls, path: str, dtype: torch.dtype = torch.bfloat16,
     local = Path(path).expanduser()
     if _looks_local(path):
         if not local.is_dir():
-            raise ModelLoadError(f"cannot load the {what} model: no such directory '{path}'; {fix}")
+            raise ModelLoadError(f"model.path: cannot load the {what} model: no such directory '{path}'; {fix}")
         if not (local / "model_index.json").is_file():
-            raise ModelLoadError(f"cannot load the {what} model: '{path}' has no model_index.json (not a diffusers "
-                                 f"pipeline folder); {fix}")
+            raise ModelLoadError(f"model.path: cannot load the {what} model: '{path}' has no model_index.json (not a "
+                                 f"diffusers pipeline folder); {fix}")
+        check_json_files(local, "model.path", f"the {what} model folder is damaged: {fix}")
         path = str(local)
     try:
         from diffusers.pipelines import pipeline_utils
     except ImportError as err:  # pragma: no cover - environment problem
-        raise ModelLoadError(f"cannot load the {what} model '{path}': diffusers is not installed "
+        raise ModelLoadError(f"model.path: cannot load the {what} model '{path}': diffusers is not installed "
                              f"({_first_line(err)})") from None
 
     # diffusers >= 0.41 renamed torch_dtype to dtype (the old name warns); a dict gives per-component dtypes
@@ -108,7 +128,8 @@ def load_pipeline(pipeline_cls, path: str, dtype: torch.dtype = torch.bfloat16,
     except Exception as err:  # noqa: BLE001 - every loader failure becomes one actionable line
         hint = " (HF_HUB_OFFLINE is set, so only the local cache is searched)" if _offline() and not local.is_dir() else ""
         lic = "; the repo is gated: accept its licence on the Hub and `huggingface-cli login`" if gated else ""
-        raise ModelLoadError(f"cannot load the {what} model '{path}'{hint}: {_first_line(err)}; {fix}{lic}") from None
+        raise ModelLoadError(f"model.path: cannot load the {what} model '{path}'{hint}: {_first_line(err)}; "
+                             f"{fix}{lic}") from None
     pipe.set_progress_bar_config(disable=True)
     return pipe
 
@@ -116,13 +137,17 @@ def load_pipeline(pipeline_cls, path: str, dtype: torch.dtype = torch.bfloat16,
 def _load_transformer(cls, path: str, dtype: torch.dtype, dtype_key: str, what: str):
     """``cls.from_pretrained(path)``: a transformer folder with ``config.json``."""
     local = Path(path).expanduser()
+    fix = ("point model.transformer_path at a folder written by save_trained (a model.finetune=full run's "
+           "<run>/transformer), or null for the pipeline's own transformer")
     if not (local / "config.json").is_file():
-        raise ModelLoadError(f"cannot load the {what} transformer: '{path}' has no config.json (expected a folder "
-                             f"written by save_trained / transformer.save_pretrained)")
+        raise ModelLoadError(f"model.transformer_path: cannot load the {what} transformer: '{path}' has no "
+                             f"config.json (expected a folder written by save_trained / transformer.save_pretrained)")
+    check_json_files(local, "model.transformer_path", fix)
     try:
         return cls.from_pretrained(str(local), **{dtype_key: dtype})
     except Exception as err:  # noqa: BLE001
-        raise ModelLoadError(f"cannot load the {what} transformer '{path}': {_first_line(err)}") from None
+        raise ModelLoadError(f"model.transformer_path: cannot load the {what} transformer '{path}': "
+                             f"{_first_line(err)}; {fix}") from None
 
 
 class PipelinePolicy(FlowPolicy):
@@ -145,10 +170,29 @@ class PipelinePolicy(FlowPolicy):
     #: the pipeline's text-encoder attribute names, in the order they run
     text_encoder_names: tuple[str, ...] = ()
 
+    #: the numeric arguments and their bounds (:func:`~stepflow.policies.base.check_number`), checked by
+    #: :meth:`check_args` before anything loads; a subclass extends it with its own
+    ARG_RULES: dict[str, dict[str, Any]] = {
+        **{k: {"integer": True, "ge": 1, "hint": " (pixels, a multiple of the VAE scale x patch: 16 for every "
+                                                 "shipped model)"} for k in ("height", "width")},
+        "max_sequence_length": {"integer": True, "ge": 1},
+        "guidance": {"ge": 1.0, "hint": " (1 = no CFG)"}, "eval_guidance": {"ge": 1.0, "hint": " (1 = no CFG)"},
+        "decode_batch_size": {"integer": True, "ge": 1}, "encode_batch_size": {"integer": True, "ge": 1},
+    }
+
+    @classmethod
+    def check_args(cls, values: Mapping[str, Any]) -> None:
+        """One-line errors (``model.<name>: ...``) for the numeric arguments among ``values`` (a constructor's or
+        ``from_pretrained``'s keyword arguments; others are ignored): non-numbers, inf / nan, out of bounds. Called
+        before any weights load; the size's multiple needs the pipeline (:func:`check_image_size`)."""
+        _check_args(values, cls.ARG_RULES)
+
     def __init__(self, pipe, *, name: str | None = None, max_sequence_length: int = 256,
                  gradient_checkpointing: bool = False, offload_text_encoders: bool = False, guidance: float = 1.0,
                  eval_guidance: float = 1.0, decode_batch_size: int = 8, encode_batch_size: int = 16,
                  estimate_vae: str | None = None):
+        self.check_args(dict(max_sequence_length=max_sequence_length, guidance=guidance, eval_guidance=eval_guidance,
+                             decode_batch_size=decode_batch_size, encode_batch_size=encode_batch_size))
         super().__init__()
         self.pipe = pipe  # plain attribute: not a Module, its modules are registered below or kept out on purpose
         self.transformer = pipe.transformer
@@ -192,11 +236,11 @@ class PipelinePolicy(FlowPolicy):
             lora = dict(lora)
             lora_path = lora.pop("path", None)
             if lora_path and not lora:
-                self.load_lora(lora_path)
+                self.load_lora(lora_path, field="model.lora.path")
             else:
                 self.add_lora(**lora)
                 if lora_path:
-                    self.load_lora(lora_path)
+                    self.load_lora(lora_path, field="model.lora.path")
 
     # ------------------------------------------------------------------ text
     @property
@@ -324,18 +368,31 @@ class PipelinePolicy(FlowPolicy):
         return next(self.vae.parameters())
 
     # ------------------------------------------------------------------ LoRA I/O (diffusers format)
-    def load_lora(self, directory: str | os.PathLike) -> None:
+    def load_lora(self, directory: str | os.PathLike, field: str = "lora_path") -> None:
         """Load an adapter written by :meth:`save_lora` (or any diffusers LoRA of this transformer).
 
         If the policy already has an adapter, its weights are replaced (shapes must match); otherwise one is
-        created from the file's metadata. Base weights stay frozen, LoRA weights trainable.
+        created from the file's metadata. Base weights stay frozen, LoRA weights trainable. A path that is not a
+        LoRA of this model (missing, random bytes, another model's adapter) is one line naming ``field``
+        (``model.lora.path`` from the constructor, ``lora_path`` for ``stepflow.evaluate``).
         """
         directory = str(directory)
-        if not Path(directory).exists():
-            raise ModelLoadError(f"cannot load LoRA: no such file or directory '{directory}'")
+        if not Path(directory).expanduser().exists():
+            raise ModelLoadError(f"{field}: cannot load a LoRA: no such file or directory '{directory}'; point "
+                                 f"{field} at a run's <run>/lora folder")
         if self.finetune == "full":
-            raise ValueError("model.finetune=full takes no LoRA adapter (lora.path); load a fine-tuned transformer "
+            raise ValueError(f"{field}: model.finetune=full takes no LoRA adapter; load a fine-tuned transformer "
                              "with model.transformer_path instead")
+        try:
+            self._load_lora_weights(str(Path(directory).expanduser()))
+        except Exception as e:  # noqa: BLE001 - OSError (not safetensors), KeyError / RuntimeError (another model)
+            raise ModelLoadError(lora_load_error(field, directory, e)) from None
+        self.transformer.requires_grad_(False)
+        for p in self.lora_parameters():
+            p.requires_grad_(True)
+
+    def _load_lora_weights(self, directory: str) -> None:
+        """Into the existing adapter (same shapes), or a new one from the file (diffusers' ``load_lora_weights``)."""
         if self.has_lora:
             from peft.utils import set_peft_model_state_dict
 
@@ -344,12 +401,9 @@ class PipelinePolicy(FlowPolicy):
             result = set_peft_model_state_dict(self.transformer, state)
             missing = [k for k in getattr(result, "unexpected_keys", []) if "lora_" in k]
             if missing:
-                raise ValueError(f"LoRA in '{directory}' does not match the policy's adapter: {missing[:3]} ...")
+                raise ValueError(f"it does not match the policy's adapter: {missing[:3]} ...")
         else:
             self.pipe.load_lora_weights(directory, adapter_name="default")
-        self.transformer.requires_grad_(False)
-        for p in self.lora_parameters():
-            p.requires_grad_(True)
 
     def _move_to(self, device: str | torch.device | None) -> None:
         """``from_pretrained(device=...)``: the registered modules and (unless offloaded) the text encoders."""

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from stepflow.policies.base import LORA_TARGETS_SD3, Cond
+from stepflow.policies.base import LORA_TARGETS_SD3, Cond, check_image_size
 from stepflow.policies.flux import pack_latents, pipeline_time_grid, unpack_latents
 from stepflow.policies.pipeline import PipelinePolicy, load_pipeline, resolve_dtype
 
@@ -75,16 +75,20 @@ class QwenImagePolicy(PipelinePolicy):
     """
 
     text_encoder_names = ("text_encoder",)
+    ARG_RULES = {**PipelinePolicy.ARG_RULES,
+                 "max_sequence_length": {"integer": True, "ge": 1, "le": 1024,
+                                         "hint": " (prompt tokens after the template; QwenImagePipeline: 512)"},
+                 "guidance": {"ge": 1.0, "hint": " (true CFG; 1 = no CFG, the model card's 4)"},
+                 "eval_guidance": {"ge": 1.0, "hint": " (true CFG; 1 = no CFG, the model card's 4)"}}
 
     def __init__(self, pipe, *, height: int = 512, width: int = 512, max_sequence_length: int = 512,
                  negative_prompt: str = " ", cfg_renorm: bool = True, gradient_checkpointing: bool = False,
                  offload_text_encoders: bool = False, guidance: float = 4.0, eval_guidance: float = 4.0,
                  decode_batch_size: int = 8, encode_batch_size: int = 16, lora: Mapping[str, Any] | None = None,
                  finetune: str = "lora", name: str | None = None):
+        self.check_args(locals())  # the numeric arguments, before a LoRA loads
         vae_scale = int(pipe.vae_scale_factor)
-        multiple = vae_scale * 2
-        if height % multiple or width % multiple:
-            raise ValueError(f"height/width ({height}x{width}) must be multiples of {multiple} for this model")
+        height, width = check_image_size(height, width, vae_scale * 2, f"VAE scale {vae_scale} x 2x2 packing")
         tcfg = pipe.transformer.config
         if tcfg.in_channels != 4 * pipe.vae.config.z_dim:
             raise ValueError("transformer in_channels != 4 x VAE z_dim: not a Qwen-Image pipeline")
@@ -92,8 +96,6 @@ class QwenImagePolicy(PipelinePolicy):
                                                                                            False):
             raise ValueError("this Qwen-Image transformer has guidance embeds / zero_cond_t / additional t-cond "
                              "(an edit or layered variant?); QwenImagePolicy supports text-to-image Qwen-Image")
-        if not 0 < int(max_sequence_length) <= 1024:
-            raise ValueError(f"max_sequence_length: Qwen-Image takes 1..1024 tokens, got {max_sequence_length}")
         super().__init__(pipe, name=name or str(getattr(pipe, "name_or_path", "") or "qwen_image"),
                          max_sequence_length=max_sequence_length, gradient_checkpointing=gradient_checkpointing,
                          offload_text_encoders=offload_text_encoders, guidance=guidance, eval_guidance=eval_guidance,
@@ -114,7 +116,9 @@ class QwenImagePolicy(PipelinePolicy):
                         transformer_path: str | None = None, **kwargs: Any) -> "QwenImagePolicy":
         """Load a Qwen-Image diffusers pipeline (Hub id or local folder) and wrap it; keyword arguments go to
         :class:`QwenImagePolicy` (dtype / vae_dtype / device / transformer_path as ``FluxPolicy.from_pretrained``)."""
-        pipe = load_qwen_image_pipeline(path, resolve_dtype(dtype, torch.bfloat16), resolve_dtype(vae_dtype),
+        cls.check_args(kwargs)  # a bad numeric argument is one line before the weights load
+        pipe = load_qwen_image_pipeline(path, resolve_dtype(dtype, torch.bfloat16, "model.dtype"),
+                                        resolve_dtype(vae_dtype, field="model.vae_dtype"),
                                         transformer_path=transformer_path)
         policy = cls(pipe, **kwargs)
         policy._move_to(device)

@@ -43,7 +43,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from stepflow.policies.base import LORA_TARGETS_SD3
+from stepflow.policies.base import LORA_TARGETS_SD3, check_image_size
 from stepflow.rewards.base import Reward, RewardOut
 
 __all__ = ["MODELS", "SPECS", "TINY_SPECS", "StandInReward", "build_modules", "random_policy", "param_counts",
@@ -199,6 +199,13 @@ def _device(device: str | torch.device | None) -> torch.device:
     return torch.device(device)
 
 
+def vae_scale(spec: Mapping[str, Any]) -> int:
+    """The spatial downsampling of a spec's VAE (what the pipeline calls ``vae_scale_factor``)."""
+    if spec["family"] == "qwen_image":
+        return 2 ** len(spec["vae"]["temperal_downsample"])
+    return 2 ** (len(spec["vae"]["block_out_channels"]) - 1)
+
+
 def build_modules(model: str, tiny: bool = False, device: str | torch.device | None = "auto",
                   dtype: torch.dtype = torch.bfloat16, vae_dtype: torch.dtype = torch.float32, seed: int = 0):
     """A ``SimpleNamespace`` pipeline of random modules: ``transformer`` (in ``dtype``), ``vae`` (``vae_dtype``),
@@ -218,10 +225,7 @@ def build_modules(model: str, tiny: bool = False, device: str | torch.device | N
     # .to() warns about casting modules it would keep in fp32 (none here)
     torch.nn.Module.to(transformer, dtype)
     torch.nn.Module.to(vae, vae_dtype)
-    if spec["family"] == "qwen_image":
-        scale = 2 ** len(spec["vae"]["temperal_downsample"])
-    else:
-        scale = 2 ** (len(spec["vae"]["block_out_channels"]) - 1)
+    scale = vae_scale(spec)
     return SimpleNamespace(transformer=transformer, vae=vae, scheduler=FlowMatchEulerDiscreteScheduler(**spec["scheduler"]),
                            text_encoder=None, text_encoder_2=None, text_encoder_3=None, vae_scale_factor=scale,
                            name_or_path=f"random-{model}{'-tiny' if tiny else ''}")
@@ -304,9 +308,17 @@ def random_policy(model: str = "sd35_medium", *, tiny: bool = False, device: str
     spec = _spec(model, tiny)
     fam, text = spec["family"], spec["text"]
     size = 64 if tiny else 512
-    height, width = int(height or size), int(width or size)
-    pipe = build_modules(model, tiny, device, resolve_dtype(dtype, torch.bfloat16), resolve_dtype(vae_dtype), seed)
     cls = _policy_classes()[fam]
+    # every argument is checked before the (possibly many-GB) random modules are built (None: the family's default)
+    given = dict(max_sequence_length=max_sequence_length, decode_batch_size=decode_batch_size, guidance=guidance,
+                 eval_guidance=eval_guidance, embedded_guidance=embedded_guidance if fam == "flux" else None)
+    cls.check_args({k: v for k, v in given.items() if v is not None})
+    scale = vae_scale(spec)
+    patch = 2  # SD3's patch_size, FLUX's and Qwen-Image's 2x2 packing
+    height, width = check_image_size(size if height is None else height, size if width is None else width,
+                                     scale * patch, f"VAE scale {scale} x patch {patch}")
+    pipe = build_modules(model, tiny, device, resolve_dtype(dtype, torch.bfloat16, "model.dtype"),
+                         resolve_dtype(vae_dtype, field="model.vae_dtype"), seed)
     kw: dict[str, Any] = dict(height=height, width=width, gradient_checkpointing=gradient_checkpointing,
                               decode_batch_size=decode_batch_size, finetune=finetune, lora=lora,
                               name=name or pipe.name_or_path)

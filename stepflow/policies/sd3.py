@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from stepflow.policies.base import LORA_TARGETS_SD3
+from stepflow.policies.base import LORA_TARGETS_SD3, check_image_size
 from stepflow.policies.pipeline import ModelLoadError, PipelinePolicy, load_pipeline, resolve_dtype
 
 __all__ = ["ModelLoadError", "SD3Policy", "default_lora", "load_sd3_pipeline", "resolve_dtype"]
@@ -69,16 +69,19 @@ class SD3Policy(PipelinePolicy):
     """
 
     text_encoder_names = ("text_encoder", "text_encoder_2", "text_encoder_3")
+    ARG_RULES = {**PipelinePolicy.ARG_RULES,
+                 "max_sequence_length": {"integer": True, "ge": 1, "le": 512,
+                                         "hint": " (T5 tokens; StableDiffusion3Pipeline takes at most 512)"}}
 
     def __init__(self, pipe, *, height: int = 512, width: int = 512, max_sequence_length: int = 256,
                  gradient_checkpointing: bool = False, offload_text_encoders: bool = False, guidance: float = 1.0,
                  eval_guidance: float = 4.5, decode_batch_size: int = 8, encode_batch_size: int = 16,
                  lora: Mapping[str, Any] | None = None, finetune: str = "lora", name: str | None = None,
                  estimate_vae: str | None = None):
+        self.check_args(locals())  # the numeric arguments, before the estimate decoder or a LoRA loads
         vae_scale = 2 ** (len(pipe.vae.config.block_out_channels) - 1)
-        multiple = vae_scale * pipe.transformer.config.patch_size
-        if height % multiple or width % multiple:
-            raise ValueError(f"height/width ({height}x{width}) must be multiples of {multiple} for this model")
+        patch = int(pipe.transformer.config.patch_size)
+        height, width = check_image_size(height, width, vae_scale * patch, f"VAE scale {vae_scale} x patch {patch}")
         if pipe.vae.config.latent_channels != pipe.transformer.config.in_channels:
             raise ValueError("VAE latent channels and transformer in_channels differ: not an SD3 pipeline")
         sched = pipe.scheduler.config
@@ -111,10 +114,12 @@ class SD3Policy(PipelinePolicy):
         device: move the transformer, VAE and (unless offloaded) text encoders there; ``None`` leaves them on the CPU
         (Lightning moves the registered modules; text encoders follow on first ``encode``).
         transformer_path: a fine-tuned transformer folder (``save_trained`` of a ``finetune=full`` run) to use.
-        Other keyword arguments go to :class:`SD3Policy`. Raises :class:`ModelLoadError` (one line) on failure.
+        Other keyword arguments go to :class:`SD3Policy`. Raises :class:`ModelLoadError` (one line) on failure; a
+        bad numeric argument is one line before anything loads.
         """
-        pipe = load_sd3_pipeline(path, resolve_dtype(dtype, torch.bfloat16), resolve_dtype(vae_dtype),
-                                 transformer_path=transformer_path)
+        cls.check_args(dict(kwargs, height=height, width=width, max_sequence_length=max_sequence_length))
+        pipe = load_sd3_pipeline(path, resolve_dtype(dtype, torch.bfloat16, "model.dtype"),
+                                 resolve_dtype(vae_dtype, field="model.vae_dtype"), transformer_path=transformer_path)
         policy = cls(pipe, height=height, width=width, max_sequence_length=max_sequence_length,
                      gradient_checkpointing=gradient_checkpointing, lora=lora, **kwargs)
         policy._move_to(device)

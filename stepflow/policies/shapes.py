@@ -30,7 +30,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from stepflow.policies.base import Cond, FlowPolicy
+from stepflow.policies.base import Cond, FlowPolicy, _user_error, check_args
 
 ASSET_NAME = "shapes_base"
 CONFIG_NAME = "config.json"
@@ -105,6 +105,29 @@ class ShapesConfig:
         known = {f for f in cls.__dataclass_fields__}
         return cls(**{k: v for k, v in d.items() if k in known})
 
+    #: the numeric fields and their bounds (:func:`~stepflow.policies.base.check_number`)
+    RULES = {**{k: {"integer": True, "ge": 1} for k in ("max_length", "image_size", "patch_size", "num_layers",
+                                                         "num_attention_heads", "attention_head_dim", "text_dim",
+                                                         "text_layers", "text_heads", "pooled_dim")},
+             "shift": {"gt": 0.0, "hint": " (the time-grid shift; 1 = none)"},
+             "t_eps": {"gt": 0.0, "le": 1.0, "hint": " (the floor on t in the x-prediction velocity)"}}
+
+    def check(self, prefix: str = "model.") -> None:
+        """One-line errors naming ``prefix + field`` (``model.`` in training, ``arch.`` in pretraining) for a
+        value the model cannot be built with: a non-positive size, inf / nan, a patch that does not tile the
+        image, a text width the heads do not divide, an unknown ``init`` or ``prediction``."""
+        check_args(asdict(self), self.RULES, prefix)
+        if self.image_size % self.patch_size:
+            raise _user_error(f"{prefix}image_size: {self.image_size} is not a multiple of {prefix}patch_size="
+                              f"{self.patch_size}; use {self.image_size // self.patch_size * self.patch_size or self.patch_size}")
+        if self.text_dim % self.text_heads:
+            raise _user_error(f"{prefix}text_dim: {self.text_dim} is not divisible by {prefix}text_heads="
+                              f"{self.text_heads}")
+        if self.init not in ("dit", "default"):
+            raise _user_error(f"{prefix}init: unknown {self.init!r}; use dit or default")
+        if self.prediction not in ("v", "x"):
+            raise _user_error(f"{prefix}prediction: unknown {self.prediction!r}; use v or x")
+
 
 class WordTextEncoder(nn.Module):
     """Word-level tokenizer + small bidirectional transformer encoder.
@@ -171,7 +194,8 @@ def dit_init(tr: nn.Module) -> None:
 class ShapesPolicy(FlowPolicy):
     """Tiny pixel-space SD3 flow model of the shapes world (see the module docstring)."""
 
-    def __init__(self, config: ShapesConfig):
+    def __init__(self, config: ShapesConfig, prefix: str = "model."):
+        config.check(prefix)  # before any module is built; ``prefix``: how errors name the fields
         super().__init__()
         from diffusers import SD3Transformer2DModel
 
@@ -185,10 +209,6 @@ class ShapesPolicy(FlowPolicy):
         self.text_encoder = WordTextEncoder(c.vocab, c.max_length, c.text_dim, c.text_layers, c.text_heads, c.pooled_dim)
         if c.init == "dit":
             dit_init(self.transformer)
-        elif c.init != "default":
-            raise ValueError(f"arch.init: unknown {c.init!r}; use dit or default")
-        if c.prediction not in ("v", "x"):
-            raise ValueError(f"arch.prediction: unknown {c.prediction!r}; use v or x")
         self.latent_shape = (3, c.image_size, c.image_size)
         self.shift = float(c.shift)
         self._cache: dict[str, tuple[Tensor, Tensor]] = {}
@@ -196,13 +216,19 @@ class ShapesPolicy(FlowPolicy):
 
     # ------------------------------------------------------------------ construction / io
     @classmethod
-    def build(cls, vocab: Sequence[str] | None = None, max_length: int | None = None, **overrides: Any) -> "ShapesPolicy":
-        """A randomly initialised policy; the vocabulary defaults to the shapes world's."""
+    def build(cls, vocab: Sequence[str] | None = None, max_length: int | None = None, prefix: str = "model.",
+              **overrides: Any) -> "ShapesPolicy":
+        """A randomly initialised policy; the vocabulary defaults to the shapes world's. ``prefix``: how errors name
+        the fields (``model.`` for ``model=shapes_tiny``, ``arch.`` for pretraining)."""
         if vocab is None:
             vocab, longest = world_vocab()
             max_length = max_length or longest + 1
+        unknown = sorted(set(overrides) - set(ShapesConfig.__dataclass_fields__))
+        if unknown:
+            raise _user_error(f"{prefix}{unknown[0]}: not a ShapesConfig field; use one of "
+                              f"{', '.join(f for f in ShapesConfig.__dataclass_fields__ if f != 'vocab')}")
         cfg = ShapesConfig(vocab=list(vocab), **({"max_length": max_length} if max_length else {}), **overrides)
-        return cls(cfg)
+        return cls(cfg, prefix)
 
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike | None = None, map_location: str = "cpu") -> "ShapesPolicy":

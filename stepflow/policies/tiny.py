@@ -324,6 +324,7 @@ def tiny_sd3_policy(path: str | None = None, seed: int = 0, cache_dir: str | Non
 
     kwargs.setdefault("height", TINY_HEIGHT)
     kwargs.setdefault("width", TINY_HEIGHT)
+    SD3Policy.check_args(kwargs)  # before the tiny pipeline is built into the cache
     return SD3Policy.from_pretrained(path or str(tiny_sd3_dir(seed, cache_dir, variant)), **kwargs)
 
 
@@ -347,6 +348,7 @@ def tiny_flux_policy(path: str | None = None, seed: int = 0, cache_dir: str | No
     kwargs.setdefault("width", TINY_HEIGHT)
     if variant == "schnell":
         kwargs.setdefault("embedded_guidance", None)
+    FluxPolicy.check_args(kwargs)  # before the tiny pipeline is built into the cache
     return FluxPolicy.from_pretrained(path or str(tiny_flux_dir(seed, cache_dir, variant)), **kwargs)
 
 
@@ -367,6 +369,7 @@ def tiny_qwen_image_policy(path: str | None = None, seed: int = 0, cache_dir: st
 
     kwargs.setdefault("height", TINY_HEIGHT)
     kwargs.setdefault("width", TINY_HEIGHT)
+    QwenImagePolicy.check_args(kwargs)  # before the tiny pipeline is built into the cache
     return QwenImagePolicy.from_pretrained(path or str(tiny_qwen_image_dir(seed, cache_dir)), **kwargs)
 
 

@@ -13,9 +13,13 @@ uint8 exactly as Flow-GRPO's scorers do, then each reward applies its official p
 from __future__ import annotations
 
 import contextlib
+import io
 import os
 import pickle
+import pickletools
 import re
+import warnings
+import zipfile
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -118,18 +122,75 @@ def _refusal(e: Exception) -> str:
     return one_line(m.group(1) if m else msg, 120)
 
 
+def _short(e: BaseException, limit: int = 120) -> str:
+    """The first sentence of an exception's message, on one line (its type when it has none)."""
+    msg = " ".join(str(e).split()) or type(e).__name__
+    return one_line(msg.split(". ")[0], limit)
+
+
+def _pickle_problem(fh: io.BufferedIOBase | io.BytesIO) -> str | None:
+    """Why the stream does not start with a whole pickle (None when it does). :func:`pickletools.genops` only parses
+    the opcodes: nothing is imported, built or run."""
+    try:
+        for _ in pickletools.genops(fh):
+            pass
+    except Exception as e:  # noqa: BLE001 - ValueError (unknown opcode, truncated), UnicodeDecodeError, ...
+        return _short(e)
+    return None
+
+
+def not_a_torch_file(path: str | os.PathLike) -> str | None:
+    """Why ``path`` cannot be a torch checkpoint at all, found without unpickling anything, or None when it may be
+    one (then ``torch.load`` decides). A torch file is a zip archive holding ``<name>/data.pkl`` (``torch.save``) or
+    a legacy stream that starts with a pickle; the reason is ``"empty"`` or ``"not a torch file: <short reason>"``
+    (random bytes, a truncated or corrupted archive, a pickle cut short)."""
+    p = Path(path)
+    if p.stat().st_size == 0:
+        return "empty"
+    with p.open("rb") as fh:
+        if fh.read(2) == b"PK":
+            fh.seek(0)
+            try:
+                with zipfile.ZipFile(fh) as z:
+                    data = [n for n in z.namelist() if n.endswith("/data.pkl") or n == "data.pkl"]
+                    if not data:
+                        return "not a torch file: a zip archive without data.pkl, not written by torch.save"
+                    with z.open(data[0]) as inner:
+                        why = _pickle_problem(io.BytesIO(inner.read()))
+            except (zipfile.BadZipFile, OSError, EOFError, RuntimeError) as e:
+                return f"not a torch file: a truncated or corrupted zip archive, {_short(e)}"
+            return None if why is None else f"not a torch file: its data.pkl is not a whole pickle, {why}"
+        fh.seek(0)
+        head = fh.read(8)
+        fh.seek(0)
+        why = _pickle_problem(fh)
+    if why is None:
+        return None
+    if head[:1] == b"\x80":  # PROTO: a binary pickle that does not parse to its end
+        return f"not a torch file: a pickle cut short or corrupted, {why}"
+    return f"not a torch file: it starts with {head!r}, neither a zip archive nor a pickle"
+
+
 def torch_load_weights_only(path: str, what: str, key: str, safe_globals: Sequence[Any] = ()) -> Any:
     """``torch.load(path, weights_only=True)``, allowing ``safe_globals`` on top of torch's default allowlist
     (tensors, storages, ``OrderedDict``, containers and plain values). A file that pickles anything else is refused
-    before any of it runs: a one-line :class:`RewardLoadError` naming the path, what it pickles and ``key``."""
-    try:
-        with torch.serialization.safe_globals(list(safe_globals)):
-            return torch.load(path, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError as e:
-        raise RewardLoadError(
-            f"cannot load {what} from '{path}' without running code from it: torch.load(weights_only=True) refused "
-            f"it ({_refusal(e)}); if you trust the file, re-save its tensors as a plain state dict or .safetensors "
-            f"and set {key}=/path/to/that/file") from None
+    before any of it runs: a one-line :class:`RewardLoadError` naming the path, what it pickles and ``key``. A file
+    that is no checkpoint at all (empty, random bytes, truncated: :func:`not_a_torch_file`) says so instead."""
+    why = not_a_torch_file(path)
+    if why is None:
+        try:
+            with torch.serialization.safe_globals(list(safe_globals)), warnings.catch_warnings():
+                warnings.simplefilter("ignore", UserWarning)  # "Detected pickle protocol 4": the refusal says more
+                return torch.load(path, map_location="cpu", weights_only=True)
+        except pickle.UnpicklingError as e:
+            raise RewardLoadError(
+                f"cannot load {what} from '{path}' without running code from it: torch.load(weights_only=True) "
+                f"refused it ({_refusal(e)}); if you trust the file, re-save its tensors as a plain state dict or "
+                f".safetensors and set {key}=/path/to/that/file") from None
+        except (EOFError, RuntimeError, ValueError) as e:  # a torch file cut short or corrupted after its header
+            why = f"not a torch file: truncated or corrupted, {_short(e)}"
+    raise RewardLoadError(f"cannot load {what} from '{path}': it is not a checkpoint ({why}); set {key} to the "
+                          f"weights file itself (a .safetensors or torch checkpoint)")
 
 
 def load_state_dict(path: str, what: str, key: str, safe_globals: Sequence[Any] = ()) -> dict[str, Tensor]:
