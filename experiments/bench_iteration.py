@@ -158,7 +158,7 @@ def _resolve(overrides: list[str]) -> list[str]:
     """Fill ``{taesd}`` with the cached tiny AutoencoderTiny."""
     if not any("{taesd}" in o for o in overrides):
         return list(overrides)
-    from stepflow.policies.tiny import tiny_taesd_dir
+    from stepflow.testing.tiny_policies import tiny_taesd_dir
 
     return [o.replace("{taesd}", str(tiny_taesd_dir())) for o in overrides]
 

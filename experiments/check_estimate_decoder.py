@@ -58,7 +58,8 @@ def compose_train(overrides: list[str]):
     from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
 
-    from stepflow.cli import CONF_DIR, StepflowError, compose_error
+    from stepflow.cli import CONF_DIR, compose_error
+    from stepflow.errors import StepflowError
 
     GlobalHydra.instance().clear()
     try:
@@ -71,7 +72,7 @@ def compose_train(overrides: list[str]):
 
 
 def _takes_estimate_vae(cfg) -> None:
-    from stepflow.cli import StepflowError
+    from stepflow.errors import StepflowError
 
     if "estimate_vae" not in cfg.model:
         name = cfg.model.get("name") or cfg.model.get("_target_")
@@ -82,7 +83,7 @@ def _takes_estimate_vae(cfg) -> None:
 def training_config(overrides: list[str]):
     """The composed training config, checked before anything loads: the model takes an estimate decoder (asked
     first without the ``model.estimate_vae`` overrides, so that a model without one says so) and one is set."""
-    from stepflow.cli import StepflowError
+    from stepflow.errors import StepflowError
 
     est = [o for o in overrides if o.lstrip("+~").startswith("model.estimate_vae=")]
     if est:
@@ -99,7 +100,7 @@ def measure(overrides: list[str], batches: int) -> dict:
     import torch
 
     from stepflow.advantage import AdvantageConfig, AdvantageEstimator
-    from stepflow.cli import StepflowError
+    from stepflow.errors import StepflowError
     from stepflow.rollout import estimate_states, rollout, score
     from stepflow.train import build_module
 
@@ -135,10 +136,10 @@ def measure(overrides: list[str], batches: int) -> dict:
 
 
 class _Parser(argparse.ArgumentParser):
-    """argparse whose errors are one :class:`~stepflow.cli.StepflowError` line (not usage + message)."""
+    """argparse whose errors are one :class:`~stepflow.errors.StepflowError` line (not usage + message)."""
 
     def error(self, message: str):
-        from stepflow.cli import StepflowError
+        from stepflow.errors import StepflowError
 
         raise StepflowError(f"{message}; see --help")
 
@@ -155,7 +156,7 @@ def main(argv=None) -> dict:
     torch.set_num_threads(1)
     overrides = list(args.overrides)
     if args.tiny:
-        from stepflow.policies.tiny import tiny_taesd_dir
+        from stepflow.testing.tiny_policies import tiny_taesd_dir
 
         overrides = ["model=sd3_tiny", "reward=pickscore_tiny", f"model.estimate_vae={tiny_taesd_dir()}", *overrides]
     res = measure(overrides, args.batches)

@@ -2,7 +2,7 @@
 """GPU check: GRPO iterations of every model stepflow supports at full size (random weights), timed per phase, with
 peak memory per phase, for LoRA and full fine-tuning.
 
-What runs (no downloads, no text encoders; the modules are built by :mod:`stepflow.policies.random_full`):
+What runs (no downloads, no text encoders; the modules are built by :mod:`stepflow.testing.random_policies`):
 
 - ``--model sd35_medium`` (2.47 B MMDiT-X), ``sd35_large`` (8.15 B MMDiT), ``flux_dev`` (11.9 B, 19 double + 38 single
   blocks, guidance embedding) or ``qwen_image`` (20.4 B, 60 blocks): the published transformer config in bf16 with
@@ -59,7 +59,7 @@ if str(ROOT) not in sys.path:
 
 import torch  # noqa: E402
 
-from stepflow.policies.random_full import (  # noqa: E402, F401  (re-exported: the configs this check builds)
+from stepflow.testing.random_policies import (  # noqa: E402, F401  (re-exported: the configs this check builds)
     MODELS,
     SD3_VAE,
     SD35_MEDIUM_TRANSFORMER,
@@ -90,9 +90,9 @@ def build_policy(tiny: bool, device: torch.device, dtype: torch.dtype, size: int
                  gradient_checkpointing: bool, decode_batch_size: int, model: str = "sd35_medium",
                  finetune: str = "lora"):
     """A stepflow policy over random modules of ``model`` (full size, or tiny), whose ``encode`` returns fixed random
-    embeddings of the real shapes (:func:`stepflow.policies.random_full.random_policy`). LoRA: the family's targets,
+    embeddings of the real shapes (:func:`stepflow.testing.random_policies.random_policy`). LoRA: the family's targets,
     the adapter's B drawn N(0, 1e-3) (a non-zero adapter, as after some training; gaussian init has B = 0)."""
-    from stepflow.policies.random_full import lora_targets, random_policy
+    from stepflow.testing.random_policies import lora_targets, random_policy
 
     lora = None
     if finetune == "lora":
@@ -177,7 +177,7 @@ def run_one(model: str, finetune: str, args, device: torch.device, dtype: torch.
     """Build ``model`` for ``finetune``, run ``--iters`` iterations of each scheme; a record with ``status`` ok /
     skipped / oom / error and the per-iteration results. Frees everything it built before returning."""
     from stepflow.ema import ParamEMA
-    from stepflow.policies.random_full import fits, param_counts
+    from stepflow.testing.random_policies import fits, param_counts
 
     run: dict = {"model": model, "finetune": finetune, "status": "ok", "results": []}
     free = _free_cuda(device)
@@ -323,7 +323,7 @@ def main(argv=None) -> int:
 
     diffusers.utils.logging.set_verbosity_error()
     if args.memory_table:
-        from stepflow.policies.random_full import memory_table
+        from stepflow.testing.random_policies import memory_table
 
         print(memory_table(world=args.world, gpu_gib=args.gpu_gib, lora_rank=args.lora_rank))
         return 0

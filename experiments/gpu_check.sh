@@ -122,8 +122,8 @@ cli_cmd() {
   [ "$ft" = full ] && extra=(model.save_weights=false callbacks.checkpoint=null train.lr=1e-5)
   [ "$TINY" != 1 ] && extra+=("trainer=$s" "trainer.devices=1")
   CMD=("$PY" -m stepflow.train model=sd35_medium_random "${TRAINER[@]}" "model.finetune=$ft" "${extra[@]}"
-       '~reward=shapes_geneval' +reward._target_=stepflow.policies.random_full.StandInReward
-       +callbacks.memory._target_=stepflow.policies.random_full.peak_memory_callback
+       '~reward=shapes_geneval' +reward._target_=stepflow.testing.random_policies.StandInReward
+       +callbacks.memory._target_=stepflow.testing.random_policies.peak_memory_callback
        loop.iterations=1 loop.prompts_per_iter=1 loop.group_size=4 loop.num_steps=4 loop.substeps=2
        train.micro_batch_size=4 train.beta_kl=0.04 advantage=gain sampler=flow_sde
        eval.every=0 eval.max_prompts=2 eval.num_steps=2 eval.batch_size=2 eval.grid_prompts=2

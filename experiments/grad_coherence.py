@@ -59,9 +59,9 @@ def measure(overrides: list[str], batches: int, schemes: list[str], weightings: 
     from tqdm.auto import tqdm
 
     from stepflow.advantage import AdvantageEstimator
-    from stepflow.algorithm import trainable_steps
+    from stepflow.algorithm import step_gradients, trainable_steps
     from stepflow.cli import CONF_DIR
-    from stepflow.coherence import signal_fraction, step_gradients
+    from stepflow.coherence import signal_fraction
     from stepflow.rollout import estimate_states, rollout, score
     from stepflow.train import build_module
 

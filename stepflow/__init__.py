@@ -1,3 +1,18 @@
-"""stepflow: stepwise credit assignment for GRPO on flow-matching text-to-image models."""
+"""stepflow: stepwise credit assignment for GRPO on flow-matching text-to-image models.
+
+The modules stand on floors. A module imports from its own floor and the floors below, never from a floor above,
+and no modules import one another round a loop; imports inside functions count the same (``tests/test_layers.py``
+reads this list and checks both). A name stands for that module, or that package and everything in it:
+
+0. errors (the error types; imports nothing from stepflow): errors
+1. core (math, prompts, the stop flag, the embedded shapes world): sde, advantage, loss, window, estimate,
+   coherence, data, stop, shapes
+2. models (the policies, the rewards, and the typed settings, which check the models' own): policies, rewards, config
+3. loop (one GRPO iteration and evaluation, free of Lightning): rollout, algorithm, dist, evaluation
+4. shell (Lightning: the module, strategies, EMA, checkpoints, logs): grpo, sharding, deepspeed_strategy, ema,
+   checkpoint, loggers, plots
+5. entry points (the Hydra commands and their plumbing): cli, rundir, train, evaluate, pretrain, serve_reward
+6. workshop (tiny and random builders for tests and estimates; nothing else imports it): testing
+"""
 
 __version__ = "0.1.0"

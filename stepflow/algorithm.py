@@ -4,14 +4,15 @@
 advantages → policy update. Each phase is a function of its own (``stepflow.rollout``, ``stepflow.advantage``,
 :func:`update`, :func:`step_loss`), timed by :class:`Phases`, which also reads the NFEs off the policy's counter.
 ``stepflow.grpo.GRPOModule`` is the Lightning shell around it; ``experiments/gpu_check.py`` and
-``stepflow.coherence`` call the same functions.
+:func:`step_gradients` (the per-step gradients ``experiments/grad_coherence.py`` measures with ``stepflow.coherence``)
+call the same functions.
 """
 
 from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,18 +21,18 @@ from torch import Tensor
 
 from stepflow import stop
 from stepflow.advantage import AdvantageEstimator, AdvantageOut
-from stepflow.cli import StepflowError
 from stepflow.config import LoopConfig, TrainConfig
 from stepflow.data import GroupSampler, IterationPlan
 from stepflow.dist import Dist, clip_grad_norm
+from stepflow.errors import NonFiniteRewardsError, NonFiniteUpdate, StopRequested
 from stepflow.loss import distill_loss, policy_loss
 from stepflow.policies.base import FlowPolicy
 from stepflow.rewards.base import Reward
 from stepflow.rollout import Scores, Trajectory, estimate_states, rollout, score
 from stepflow.sde import SamplerConfig, sde_step, step_std
 
-__all__ = ["Learner", "Phases", "IterationResult", "iteration", "update", "step_loss", "trainable_steps",
-           "finite_advantages", "iteration_metrics"]
+__all__ = ["Learner", "Phases", "IterationResult", "iteration", "update", "step_loss", "step_gradients",
+           "trainable_steps", "finite_advantages", "iteration_metrics"]
 
 
 @dataclass
@@ -134,7 +135,7 @@ def iteration(lr: Learner, it: int) -> IterationResult:
         with ph("estimate"):  # x̂0 of the needed states by T′ Euler substeps (none for uniform credit)
             x0_hat = _estimate(lr, traj, need)
         _stop_point(lr)
-        with ph("reward"), contextlib.suppress(stop.StopRequested):  # the needed R_k in one call (uniform: R_T)
+        with ph("reward"), contextlib.suppress(StopRequested):  # the needed R_k in one call (uniform: R_T)
             scores = score(lr.policy, lr.reward, traj, x0_hat, lr.loop.decode_chunk, states=need)
     _stop_point(lr)  # an interrupted reward call set the stop flag: every rank stops here
     with ph("advantage"):  # gains G_k = R_{k+1} − R_k, normalised per group over every rank's rows
@@ -179,7 +180,7 @@ def _rollout_and_score_overlapped(lr: Learner, plan: IterationPlan, need: list[i
         with ph("reward"):
             try:
                 done = [f.result() for f in futures]
-            except stop.StopRequested:  # an interrupted reward call: the caller's stop point stops every rank
+            except StopRequested:  # an interrupted reward call: the caller's stop point stops every rank
                 return None, None, None
     traj = Trajectory.cat(parts)
     x0_hat = None if ests[0] is None else torch.cat(ests)
@@ -190,7 +191,7 @@ def _rollout_and_score_overlapped(lr: Learner, plan: IterationPlan, need: list[i
 def _stop_point(lr: Learner) -> None:
     """A phase boundary: every rank agrees to go on or to stop (the same collective on every rank)."""
     if lr.dist.any(stop.STOP.is_set()):
-        raise stop.StopRequested(stop.reason())
+        raise StopRequested(stop.reason())
 
 
 def step_weights(lr: Learner, adv: AdvantageOut, trained: list[int], grid: Tensor) -> Tensor | None:
@@ -225,7 +226,7 @@ def finite_advantages(lr: Learner, rewards: Tensor, group_ids: Tensor, it: int,
     """Advantages of the rows whose rewards are finite in the columns the scheme reads; a row with a NaN / inf
     reward is dropped from the iteration (advantage 0 at every step, left out of its group's statistics, so the
     update skips it). Returns (advantages of all rows, dropped (B,) bool). More than ``loop.max_nonfinite_frac``
-    dropped rows stop the run (:class:`~stepflow.rewards.errors.NonFiniteRewardsError`)."""
+    dropped rows stop the run (:class:`~stepflow.errors.NonFiniteRewardsError`)."""
     steps = lr.loop.num_steps
     used = rewards[:, lr.advantage.states_needed(trained or [], steps) or [steps]]
     dropped = ~torch.isfinite(used).all(1)
@@ -233,8 +234,6 @@ def finite_advantages(lr: Learner, rewards: Tensor, group_ids: Tensor, it: int,
     if n == 0:
         return lr.advantage(rewards, group_ids, steps, trained), dropped
     if n > lr.loop.max_nonfinite_frac * len(rewards):
-        from stepflow.rewards.errors import NonFiniteRewardsError
-
         raise NonFiniteRewardsError(f"{n} of {len(rewards)} samples of iteration {it} have a NaN / inf reward (more "
                                     f"than loop.max_nonfinite_frac={lr.loop.max_nonfinite_frac}); check the reward")
     keep = ~dropped
@@ -377,11 +376,6 @@ class _Stats:
         return res
 
 
-class NonFiniteUpdate(StepflowError):
-    """The update's gradient is inf / nan: the run stops before the optimizer step writes it into the weights (under
-    DeepSpeed, whose step is one call, right after it and before anything is saved)."""
-
-
 def clip_and_step(lr: Learner, params: list, max_norm: float) -> Tensor | None:
     """Clip the gradients to ``max_norm`` (0 = no clipping) and take the optimizer step; returns the gradient norm
     before clipping (None without clipping). DeepSpeed clips inside its own step (``gradient_clipping`` in its config)
@@ -516,6 +510,32 @@ def step_loss(lr: Learner, traj: Trajectory, adv: Tensor, k: int, rows: Tensor, 
     return {"loss": lo.loss, "policy_loss": lo.policy_loss, "kl": lo.kl, "clip_frac": lo.clip_frac,
             "ratio_mean": lo.ratio_mean, "ratio_min": lo.ratio_min, "ratio_max": lo.ratio_max,
             "adv_abs": a.abs().mean().detach()}
+
+
+def step_gradients(learner: Learner, traj: Trajectory, adv: Tensor, steps: Sequence[int]) -> Tensor:
+    """Flattened gradient (of the trained weights) of the GRPO loss of each step in ``steps`` over the whole batch:
+    (len(steps), D), the input of :func:`stepflow.coherence.signal_fraction`.
+
+    The loss is the training loop's own (:func:`step_loss` of ``learner``, β·KL included); ``traj``/``adv`` come
+    from one rollout and its advantages. The weights are not changed; gradients of the LoRA parameters are left
+    cleared.
+    """
+    params = list(learner.policy.trainable_parameters())
+    rows = torch.arange(traj.batch_size)
+    times = traj.times.to(learner.policy.device)
+    out = []
+    learner.policy.train()
+    try:
+        for k in steps:
+            for p in params:
+                p.grad = None
+            step_loss(learner, traj, adv, k, rows, times)["loss"].backward()
+            out.append(torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).flatten() for p in params]))
+    finally:
+        for p in params:
+            p.grad = None
+        learner.policy.eval()
+    return torch.stack(out)
 
 
 def iteration_metrics(res: IterationResult, world: int | Dist) -> dict[str, float]:

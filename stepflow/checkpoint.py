@@ -27,6 +27,8 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 
+from stepflow.errors import StepflowError
+
 __all__ = ["AtomicCheckpointIO", "IterationCheckpoint", "atomic_write", "check_compatible", "checkpoint_callback",
            "safe_load"]
 
@@ -39,7 +41,6 @@ def safe_load(path: str | os.PathLike, field: str, map_location: Any = "cpu", fi
     """``torch.load(path, weights_only=True)``: tensors, containers and plain values only. A file that would need
     code to unpickle is refused with one line naming ``field`` and the path (its payload is never run); a file that
     is no checkpoint at all (empty, random bytes, truncated) is one line saying so, ending in ``fix``."""
-    from stepflow.cli import StepflowError
     from stepflow.rewards.loading import _refusal, _short, not_a_torch_file
 
     p = Path(path).expanduser()
@@ -72,8 +73,6 @@ def check_compatible(checkpoint: Any, expected: Mapping[str, Any], path: str | o
     rank or targets, full fine-tuning vs LoRA. ``expected``: the module's ``state_dict()`` (or key -> shape);
     ``needs``: other top-level entries the checkpoint must have (``"stepflow"`` for a GRPO run). The message names
     ``field``, the first key that differs (in the module's key order, then the checkpoint's) and how many do."""
-    from stepflow.cli import StepflowError
-
     where = str(path) or "the checkpoint"
     if not isinstance(checkpoint, Mapping) or not isinstance(checkpoint.get("state_dict"), Mapping):
         raise StepflowError(f"{field}: {where} is not a training checkpoint (no state_dict); {RESUME_FIX}")
@@ -101,8 +100,6 @@ def check_compatible(checkpoint: Any, expected: Mapping[str, Any], path: str | o
 def atomic_write(path: str | os.PathLike, write) -> None:
     """``write(fh)`` into a temporary file next to ``path`` (unique per process and call), fsync, rename into place.
     A full disk (or quota) raises one line and removes the temporary file."""
-    from stepflow.cli import StepflowError
-
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")

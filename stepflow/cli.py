@@ -8,34 +8,15 @@ import functools
 import os
 import sys
 from collections.abc import Callable
-from importlib import resources
 from pathlib import Path
 from typing import NoReturn
 
-#: the Hydra config directory, shipped inside the package (found the same way from a wheel or an editable install)
-CONF_DIR = Path(str(resources.files("stepflow").joinpath("conf")))
+from stepflow.config import CONF_DIR, register_configs
+from stepflow.errors import RewardError, StepflowError
 
-
-def _register() -> None:
-    """Register the structured configs (``train_schema``) that ``conf/train.yaml`` composes; every composition of
-    the configs goes through this module (``CONF_DIR``), so importing it is enough."""
-    from stepflow.config import register_configs
-
-    register_configs()
-
-
-_register()
-
-
-class StepflowError(ValueError):
-    """A user-facing configuration or input error, printed as one line (``exit_code``: the process's status)."""
-
-    exit_code = 2
-
-    def __init__(self, msg: str = "", exit_code: int | None = None):
-        super().__init__(msg)
-        if exit_code is not None:
-            self.exit_code = exit_code
+# the structured configs (``train_schema``) that ``conf/train.yaml`` composes: every composition of the configs goes
+# through this module (``CONF_DIR``), so importing it is enough
+register_configs()
 
 
 def debugging() -> bool:
@@ -54,8 +35,6 @@ def message(e: BaseException) -> tuple[str, int]:
     """The one line and exit status for an exception that reached an entry point: its own message for the errors
     stepflow raises and for bad values / missing files, the exception type and message (plus how to see the
     traceback) otherwise."""
-    from stepflow.rewards.errors import RewardError
-
     if isinstance(e, StepflowError):
         return str(e) or type(e).__name__, e.exit_code
     if isinstance(e, (RewardError, ValueError, FileNotFoundError, KeyError)):
@@ -203,6 +182,10 @@ def compose_error(e: BaseException) -> str:
         conv = re.search(r"Value '(.*)' of type '\w+' could not be converted to (\w+)", msg)
         if conv:
             return f"{k}: {conv.group(1)!r} is not a valid {conv.group(2).lower()}; give {k}=<{conv.group(2).lower()}>"
+        # a number field that takes an integral float (serve_reward's counts: max_images=4.0)
+        if re.search(r"of type '\w+' is incompatible with type hint 'Union\[int, float\]'", msg):
+            val = re.search(r"Value '(.*)' of type", msg)
+            return f"{k}: {val.group(1) if val else 'the value'!r} is not a number; give {k}=<number>"
         unknown = re.search(r"Key '(.+?)' not in '(\w+)'", msg)
         if unknown:
             return f"{k}: unknown key ({unknown.group(2)} has no field {unknown.group(1)!r}); check the spelling"

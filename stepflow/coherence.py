@@ -16,7 +16,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-__all__ = ["chi2_quantile", "mean_pairwise_cosine", "pair_sums", "signal_fraction", "step_gradients", "StepSignal"]
+__all__ = ["chi2_quantile", "mean_pairwise_cosine", "pair_sums", "signal_fraction", "StepSignal"]
 
 
 def _offdiag_mean(g: Tensor, normalize: bool) -> tuple[float, Tensor]:
@@ -62,33 +62,6 @@ def signal_fraction(g: Tensor) -> float:
     """
     cross, gram = _offdiag_mean(g, normalize=False)
     return float(cross / gram.diagonal().mean().clamp(min=1e-300))
-
-
-def step_gradients(learner, traj, adv: Tensor, steps: Sequence[int]) -> Tensor:
-    """Flattened gradient (of the trained weights) of the GRPO loss of each step in ``steps`` over the whole batch: (len(steps), D).
-
-    The loss is the training loop's own (:func:`stepflow.algorithm.step_loss` of ``learner``, β·KL included);
-    ``traj``/``adv`` come from one rollout and its advantages. The weights are not changed; gradients of the LoRA
-    parameters are left cleared.
-    """
-    from stepflow.algorithm import step_loss
-
-    params = list(learner.policy.trainable_parameters())
-    rows = torch.arange(traj.batch_size)
-    times = traj.times.to(learner.policy.device)
-    out = []
-    learner.policy.train()
-    try:
-        for k in steps:
-            for p in params:
-                p.grad = None
-            step_loss(learner, traj, adv, k, rows, times)["loss"].backward()
-            out.append(torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).flatten() for p in params]))
-    finally:
-        for p in params:
-            p.grad = None
-        learner.policy.eval()
-    return torch.stack(out)
 
 
 @functools.lru_cache(maxsize=64)

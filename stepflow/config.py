@@ -6,25 +6,45 @@ samples, T = 10, T′ = 2, lr 1e-3); ``experiment=paper_base`` sets the paper's 
 shapes world trains only step 0 with the ``eta_s`` DDIM schedule) live in ``conf/recipe/<model>.yaml``, which the
 default composes for the chosen model.
 
+The other entry points are typed the same way: ``conf/pretrain.yaml`` composes :class:`PretrainConfig`
+(``pretrain_schema``), ``conf/evaluate.yaml`` :class:`EvaluateConfig` (``evaluate_schema``) and
+``conf/serve_reward.yaml`` :class:`ServeRewardConfig` (``serve_reward_schema``, the request :class:`Limits` plus
+host and port); each entry point turns its composed config into that object with :func:`to_config` before anything
+is built.
+
 A field error is a :class:`ValueError` whose message starts with the field's name; :func:`to_config` adds the
 group (``loop.iterations: must be >= 1, got -1``) and the CLI prints it as one line.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import dataclasses
+import math
+import numbers
+import re
+import typing
+from dataclasses import asdict, dataclass, field, fields
+from importlib import resources
+from pathlib import Path
 from typing import Any
 
 from omegaconf import MISSING, DictConfig, OmegaConf
 
 from stepflow.advantage import AdvantageConfig
+from stepflow.errors import StepflowError
 from stepflow.sde import SamplerConfig
 from stepflow.window import WindowConfig
 
 __all__ = ["LoopConfig", "TrainConfig", "EvalConfig", "EmaConfig", "LoraConfig", "DataConfig", "RunConfig",
-           "register_configs", "to_config", "KL_MODES"]
+           "PretrainArchConfig", "PretrainDataConfig", "PretrainObjectiveConfig", "PretrainOptimConfig",
+           "PretrainEmaConfig", "PretrainTrainerConfig", "PretrainEvalConfig", "PretrainSelectConfig", "PretrainConfig",
+           "EvaluateSamplerConfig", "EvaluateGridConfig", "EvaluateConfig", "Limits", "ServeRewardConfig",
+           "check_limit", "check_port", "check_host", "SCHEMAS", "register_configs", "to_config", "KL_MODES"]
 
 KL_MODES = ("exact", "flow_grpo_parity")
+
+#: the Hydra config directory, shipped inside the package (found the same way from a wheel or an editable install)
+CONF_DIR = Path(str(resources.files("stepflow").joinpath("conf")))
 
 
 def _need(ok: bool, msg: str) -> None:
@@ -236,22 +256,463 @@ class RunConfig:
     callbacks: Any = field(default_factory=dict)
 
 
+# ------------------------------------------------------------------------------------------------------------------
+# the other entry points: python -m stepflow.pretrain / evaluate / serve_reward (conf/<name>.yaml composes
+# <name>_schema and only overrides it). Their schemas live here, not in their modules: register_configs runs when
+# stepflow.cli is imported (every composition), and the entry modules import stepflow.cli (a cycle) and, for
+# pretrain, Lightning (seconds that composing a serve_reward or evaluate config should not pay).
+# ------------------------------------------------------------------------------------------------------------------
+def _is_num(x: Any) -> bool:
+    return isinstance(x, numbers.Real) and not isinstance(x, bool)
+
+
+def _whole(name: str, v: Any, lo: int, null_ok: bool = False, what: str = "") -> None:
+    """``v`` an integer >= ``lo`` (or None when ``null_ok``), else ``<name>: must be an integer >= lo, got v``."""
+    if v is None and null_ok:
+        return
+    _need(_is_int(v) and v >= lo, f"{name}: must be an integer >= {lo}{' or null' if null_ok else ''}{what}, got {v!r}")
+
+
+def _real(name: str, v: Any, *, ge: float | None = None, gt: float | None = None, le: float | None = None,
+          lt: float | None = None, null_ok: bool = False, what: str = "") -> None:
+    """``v`` a finite number within the bounds (``math.isfinite``: inf passes a one-sided bound), or None when
+    ``null_ok``; booleans and strings are no numbers."""
+    if v is None and null_ok:
+        return
+    lower = f"[{ge:g}" if ge is not None else f"({gt:g}" if gt is not None else None
+    upper = f"{le:g}]" if le is not None else f"{lt:g})" if lt is not None else None
+    if lower and upper:
+        desc = f" in {lower}, {upper}"
+    elif lower:
+        desc = f" {'>=' if ge is not None else '>'} {lower[1:]}"
+    elif upper:
+        desc = f" {'<=' if le is not None else '<'} {upper[:-1]}"
+    else:
+        desc = ""
+    ok = (_is_num(v) and math.isfinite(v) and (ge is None or v >= ge) and (gt is None or v > gt)
+          and (le is None or v <= le) and (lt is None or v < lt))
+    _need(ok, f"{name}: must be a finite number{desc}{' or null' if null_ok else ''}{what}, got {v!r}")
+
+
+def _flag(name: str, v: Any) -> None:
+    _need(isinstance(v, bool), f"{name}: must be true or false, got {v!r}")
+
+
+def _choice(name: str, v: Any, choices: tuple, what: str = "") -> None:
+    names = ", ".join("null" if c is None else str(c) for c in choices)
+    _need(v in choices and not isinstance(v, bool), f"{name}: must be one of {names}{what}, got {v!r}")
+
+
+def _path(name: str, v: Any, what: str = "") -> None:
+    _need(v is None or isinstance(v, str), f"{name}: must be a path or null{what}, got {v!r}")
+
+
+# ------------------------------------------------------------------------------------------------ pretrain
+#: the qk_norm kinds diffusers' joint attention (SD3Transformer2DModel, both streams) builds
+QK_NORMS = (None, "rms_norm", "layer_norm", "fp32_layer_norm")
+#: the training-time distributions of stepflow.pretrain.sample_t
+T_SAMPLINGS = ("logit_normal", "uniform")
+_DURATION = re.compile(r"[0-9]+:[0-9]{1,2}:[0-9]{1,2}:[0-9]{1,2}")
+
+
+@dataclass
+class PretrainArchConfig:
+    """The base model's architecture: the :class:`~stepflow.policies.shapes.ShapesConfig` fields that
+    ``ShapesPolicy.build`` takes, except ``vocab`` / ``max_length`` (they come from the world). Checked by
+    ``ShapesConfig.check`` itself (its rules stay its own; errors name ``arch.<field>``), plus ``qk_norm``."""
+
+    image_size: int = 32  #: pixels per side
+    patch_size: int = 4  #: 64 image tokens
+    num_layers: int = 4  #: transformer blocks
+    num_attention_heads: int = 4
+    attention_head_dim: int = 32  #: hidden 128
+    qk_norm: str | None = "rms_norm"  #: query/key normalisation of the attention (null = none)
+    text_dim: int = 64  #: width of the word-level text encoder
+    text_layers: int = 2
+    text_heads: int = 4
+    pooled_dim: int = 64  #: pooled text embedding
+    shift: float = 1.0  #: sampling time-grid shift (3.0 measured worse at 10 steps for this model)
+    prediction: str = "x"  #: the transformer predicts x0; velocity() returns (x_t - x0) / max(t, t_eps) (JiT)
+    t_eps: float = 0.05  #: the floor on t in the x-prediction velocity
+    init: str = "dit"  #: adaLN-Zero init (dit | default)
+
+    def __post_init__(self) -> None:
+        from stepflow.policies.shapes import ShapesConfig
+
+        _choice("arch.qk_norm", self.qk_norm, QK_NORMS)
+        ShapesConfig(**asdict(self)).check(prefix="arch.")
+
+
+@dataclass
+class PretrainDataConfig:
+    """The endless stream of rendered prompts (``stepflow.pretrain.ShapesStream``)."""
+
+    batch_size: int = 16  #: small batches learn much faster per CPU-second here than 64
+    categories: list[str] | None = None  #: prompt categories to draw from (null = all six, round-robin)
+    empty_prompt_prob: float = 0.1  #: prompt dropout, for classifier-free guidance
+    num_workers: int = 0  #: DataLoader worker processes (0 = render in the training process)
+
+    def __post_init__(self) -> None:
+        _whole("batch_size", self.batch_size, 1)
+        if self.categories is not None:
+            from stepflow.shapes.prompts import CATEGORIES
+
+            cats = list(self.categories) if isinstance(self.categories, (list, tuple)) else None
+            _need(cats is not None, f"categories: must be a list of categories or null (all), got {self.categories!r}")
+            _need(bool(cats), "categories: empty list draws nothing; use null for all six")
+            bad = [c for c in cats if c not in CATEGORIES]
+            _need(not bad, f"categories: unknown {bad[0]!r}; use some of {', '.join(CATEGORIES)}" if bad else "")
+            self.categories = cats
+        _real("empty_prompt_prob", self.empty_prompt_prob, ge=0.0, le=1.0)
+        _whole("num_workers", self.num_workers, 0)
+
+
+@dataclass
+class PretrainObjectiveConfig:
+    """The rectified-flow objective's training times t."""
+
+    t_sampling: str = "logit_normal"  #: logit_normal (sigmoid of N(logit_mean, logit_std), SD3) | uniform
+    logit_mean: float = 0.0  #: logit_normal only
+    logit_std: float = 1.0  #: logit_normal only
+
+    def __post_init__(self) -> None:
+        _choice("t_sampling", self.t_sampling, T_SAMPLINGS)
+        _real("logit_mean", self.logit_mean)
+        _real("logit_std", self.logit_std, gt=0.0)
+
+
+@dataclass
+class PretrainOptimConfig:
+    """AdamW with linear warm-up and cosine decay to ``min_lr_ratio`` · lr."""
+
+    lr: float = 1.0e-3  #: peak learning rate
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.99])  #: AdamW betas
+    weight_decay: float = 0.01  #: of the weight matrices (embeddings, norms and biases: none)
+    warmup_steps: int = 200  #: linear warm-up steps
+    min_lr_ratio: float = 0.1  #: the cosine decays to this fraction of lr
+    grad_clip: float = 1.0  #: gradient-norm clipping (0 = off)
+
+    def __post_init__(self) -> None:
+        _real("lr", self.lr, gt=0.0)
+        betas = list(self.betas) if isinstance(self.betas, (list, tuple)) else None
+        _need(betas is not None and len(betas) == 2 and all(_is_num(b) and 0 <= b < 1 for b in betas),
+              f"betas: must be two floats in [0, 1), got {self.betas!r}")
+        self.betas = [float(b) for b in betas]
+        _real("weight_decay", self.weight_decay, ge=0.0)
+        _whole("warmup_steps", self.warmup_steps, 0)
+        _real("min_lr_ratio", self.min_lr_ratio, ge=0.0, le=1.0)
+        _real("grad_clip", self.grad_clip, ge=0.0, what=" (0 = off)")
+
+
+@dataclass
+class PretrainEmaConfig:
+    """The EMA of the weights that is evaluated and saved (warm-up: d_n = min(decay, (1+n)/(10+n)))."""
+
+    decay: float = 0.999  #: decay d
+
+    def __post_init__(self) -> None:
+        _real("decay", self.decay, ge=0.0, lt=1.0)
+
+
+@dataclass
+class PretrainTrainerConfig:
+    """The Lightning Trainer (on the CPU, one device)."""
+
+    max_steps: int = 14000  #: optimizer steps (also the cosine schedule's length)
+    max_time: str | None = "00:00:42:00"  #: DD:HH:MM:SS wall-clock cap (null = none)
+    log_every_n_steps: int = 50
+    checkpoint_every_n_steps: int = 1000  #: checkpoints/last.ckpt every N steps (resume=<it> continues)
+    progress_bar: bool = True
+    progress_refresh: int = 100  #: steps between progress-bar updates
+    fast_dev_run: bool = False  #: Lightning's one-batch smoke run
+
+    def __post_init__(self) -> None:
+        _whole("max_steps", self.max_steps, 1)
+        _need(self.max_time is None or (isinstance(self.max_time, str) and bool(_DURATION.fullmatch(self.max_time))),
+              f"max_time: must be DD:HH:MM:SS (e.g. 00:12:00:00) or null (no cap), got {self.max_time!r}")
+        _whole("log_every_n_steps", self.log_every_n_steps, 1)
+        _whole("checkpoint_every_n_steps", self.checkpoint_every_n_steps, 1)
+        _flag("progress_bar", self.progress_bar)
+        _whole("progress_refresh", self.progress_refresh, 1)
+        _flag("fast_dev_run", self.fast_dev_run)
+
+
+@dataclass
+class PretrainEvalConfig:
+    """Periodic strict-GenEval evaluation of the EMA weights (10-step Euler ODE); each is saved as a candidate."""
+
+    every_n_steps: int = 1000  #: evaluate (and save a candidate) every N steps and at the end (0 = never)
+    split: str = "eval"  #: the world's prompt file to evaluate on (eval | train)
+    max_prompts: int | None = 192  #: balanced subset of the eval prompts for the periodic evaluation (null = all)
+    num_steps: int = 10  #: ODE steps
+    guidance: float = 1.0  #: CFG scale (1 = off)
+    seed: int = 0  #: initial noise of sample i depends only on (seed, i)
+    save_grid: bool = True  #: an image grid per evaluation (grids/step<N>.png)
+    grid_per_category: int = 4  #: samples of each category in that grid
+
+    def __post_init__(self) -> None:
+        _whole("every_n_steps", self.every_n_steps, 0, what=" (0 = never)")
+        _choice("split", self.split, ("eval", "train"))
+        _whole("max_prompts", self.max_prompts, 1, null_ok=True, what=" (null = all)")
+        _whole("num_steps", self.num_steps, 1)
+        _real("guidance", self.guidance, ge=1.0, what=" (1 = no CFG)")
+        _whole("seed", self.seed, 0)
+        _flag("save_grid", self.save_grid)
+        _whole("grid_per_category", self.grid_per_category, 1)
+
+
+@dataclass
+class PretrainSelectConfig:
+    """Which candidate to ship (``stepflow.pretrain.select_checkpoint``): re-scored on the full evaluation set, the
+    one closest to ``target`` with the overall in [low, high] and every category above ``min_category``."""
+
+    enabled: bool = True  #: re-score, select (and export) at the end
+    target: float = 0.5  #: the overall strict-GenEval score to aim for (room left for RL)
+    low: float = 0.3  #: lowest overall score that qualifies
+    high: float = 0.7  #: highest overall score that qualifies
+    min_category: float = 0.05  #: every category must score above this (< 0: no floor)
+    #: prefer the latest checkpoint within target +- tolerance (null: the closest to target)
+    tolerance: float | None = 0.1
+    rescore_top_k: int = 8  #: the latest k checkpoints scoring within [low, high] +- rescore_margin on the subset ...
+    rescore_margin: float = 0.1
+    rescore_max_prompts: int | None = None  #: ... are re-scored on the full eval set (null = all prompts)
+
+    def __post_init__(self) -> None:
+        _flag("enabled", self.enabled)
+        for name in ("target", "low", "high"):
+            _real(name, getattr(self, name), ge=0.0, le=1.0, what=" (a strict-GenEval score)")
+        _need(self.low <= self.high, f"low: must be <= select.high={self.high:g}, got {self.low!r}")
+        _real("min_category", self.min_category, lt=1.0, what=" (every category must score above it)")
+        _real("tolerance", self.tolerance, ge=0.0, null_ok=True, what=" (null = the closest to target)")
+        _whole("rescore_top_k", self.rescore_top_k, 1)
+        _real("rescore_margin", self.rescore_margin, ge=0.0)
+        _whole("rescore_max_prompts", self.rescore_max_prompts, 1, null_ok=True, what=" (null = all)")
+
+
+@dataclass
+class PretrainConfig:
+    """The whole ``python -m stepflow.pretrain`` configuration (``conf/pretrain.yaml``)."""
+
+    seed: int = 0  #: seed of the weights' init, the data stream and the evaluations' noise
+    out_dir: str | None = None  #: null = the Hydra run dir
+    torch_threads: int | None = 1  #: 1 thread: on a shared 2-core machine, 2 OpenMP threads under load are ~10x slower
+    finalize_only: str | None = None  #: a finished run dir: only re-score, select (and export) its checkpoints
+    resume: str | None = None  #: a Lightning checkpoint (<run dir>/checkpoints/last.ckpt) to continue from
+    export: bool = False  #: write the selected checkpoint (+ model card) to export_dir
+    export_dir: str | None = None  #: null = stepflow/assets/shapes_base
+    arch: PretrainArchConfig = field(default_factory=PretrainArchConfig)
+    data: PretrainDataConfig = field(default_factory=PretrainDataConfig)
+    objective: PretrainObjectiveConfig = field(default_factory=PretrainObjectiveConfig)
+    optim: PretrainOptimConfig = field(default_factory=PretrainOptimConfig)
+    ema: PretrainEmaConfig = field(default_factory=PretrainEmaConfig)
+    trainer: PretrainTrainerConfig = field(default_factory=PretrainTrainerConfig)
+    eval: PretrainEvalConfig = field(default_factory=PretrainEvalConfig)
+    select: PretrainSelectConfig = field(default_factory=PretrainSelectConfig)
+
+    def __post_init__(self) -> None:
+        _whole("seed", self.seed, 0)
+        _whole("torch_threads", self.torch_threads, 1, null_ok=True, what=" (null = torch's default)")
+        for name in ("out_dir", "finalize_only", "resume", "export_dir"):
+            _path(name, getattr(self, name))
+        _flag("export", self.export)
+
+
+# ------------------------------------------------------------------------------------------------ evaluate
+@dataclass
+class EvaluateSamplerConfig:
+    """The deterministic Euler ODE that ``python -m stepflow.evaluate`` samples with."""
+
+    num_steps: int = 10  #: Euler ODE steps on the policy's time grid
+    guidance: float | None = None  #: classifier-free guidance scale (1 = off; null = the model's eval_guidance, else 1)
+
+    def __post_init__(self) -> None:
+        _whole("num_steps", self.num_steps, 1)
+        _real("guidance", self.guidance, ge=1.0, null_ok=True, what=" (1 = no CFG; null = the model's eval_guidance)")
+
+
+@dataclass
+class EvaluateGridConfig:
+    """The PNG grids, one per category (``samples_<category>.png``)."""
+
+    per_category: int = 16  #: samples per category PNG (0 = no grids)
+    ncol: int = 8  #: images per row
+
+    def __post_init__(self) -> None:
+        _whole("per_category", self.per_category, 0, what=" (0 = no grids)")
+        _whole("ncol", self.ncol, 1)
+
+
+@dataclass
+class EvaluateConfig:
+    """The whole ``python -m stepflow.evaluate`` configuration (``conf/evaluate.yaml``). ``model`` is a
+    ``_target_`` node (its class checks its own arguments)."""
+
+    #: a model directory (ShapesPolicy.save_pretrained) or a stepflow.pretrain .ckpt (EMA weights)
+    ckpt_path: str | None = None
+    lora_path: str | None = None  #: a LoRA: diffusers save_lora_weights dir, peft adapter dir, or a .safetensors file
+    #: null/eval/train = the world's prompt files; or a .jsonl (records with "prompt") / .txt path
+    prompt_file: str | None = None
+    sampler: EvaluateSamplerConfig = field(default_factory=EvaluateSamplerConfig)
+    seed: int = 0  #: initial noise of sample i depends only on (seed, i)
+    num_per_prompt: int = 1  #: samples per prompt
+    max_prompts: int | None = None  #: a category-balanced subset of N prompt lines (null = all)
+    batch_size: int = 64  #: samples per sampling batch
+    torch_threads: int | None = None  #: null = torch's default
+    out_dir: str | None = None  #: null = the Hydra run dir
+    grid: EvaluateGridConfig = field(default_factory=EvaluateGridConfig)
+    model: Any = None  #: chosen by the model group (model=shapes)
+
+    def __post_init__(self) -> None:
+        for name in ("ckpt_path", "lora_path", "prompt_file", "out_dir"):
+            _path(name, getattr(self, name))
+        _whole("seed", self.seed, 0)
+        _whole("num_per_prompt", self.num_per_prompt, 1)
+        _whole("max_prompts", self.max_prompts, 1, null_ok=True, what=" (null = all)")
+        _whole("batch_size", self.batch_size, 1)
+        _whole("torch_threads", self.torch_threads, 1, null_ok=True, what=" (null = torch's default)")
+
+
+# ------------------------------------------------------------------------------------------------ serve_reward
+@dataclass
+class Limits:
+    """What one request may make the reward server read and decode (``python -m stepflow.serve_reward``); every
+    field is checked by :func:`check_limit` when the limits are made (a limit of 0, -1, inf or nan is a
+    StepflowError naming it). The counts are integers (an integral float, ``max_images=4.0``, is taken as one)."""
+
+    max_body_mb: float = 256.0  #: request body (base64 JSON), from Content-Length, checked before the body is read
+    max_images: int | float = 256  #: images per request (clients split batches by reward.request_batch_size, 64)
+    #: width x height of one image (2048^2), read from its PNG/JPEG header before decoding. The reward lock is held
+    #: while a request is scored, and that grows with its pixels: shapes_geneval judges ~1 s per megapixel of noisy
+    #: samples on one CPU core (a 4096^2 image held the lock 15-22 s); 2048^2 keeps one image to 3-4 s (1024^2:
+    #: under 1 s)
+    max_image_pixels: int | float = 2048 * 2048
+    #: all images of one request (64 x 1024^2; 768 MB once decoded to float32); also bounds how long one request
+    #: holds the reward lock (64 Mpx of noise: ~1 min of shapes_geneval)
+    max_request_pixels: int | float = 64 * 1024**2
+    decode_workers: int | float = 2  #: requests decoded at the same time (the reward lock is never held while decoding)
+    max_inflight: int | float = 16  #: requests handled at the same time; more answer 503 (clients retry)
+    read_timeout_s: float = 60.0  #: seconds: a connection that sends nothing for this long is closed (408)
+
+    def __post_init__(self) -> None:
+        for f in fields(Limits):
+            setattr(self, f.name, check_limit(f.name, getattr(self, f.name)))
+
+    @property
+    def max_body(self) -> int:
+        return int(self.max_body_mb * 2**20)
+
+
+#: what each limit bounds, for the fix of its error message
+_LIMIT_WHAT = {
+    "max_body_mb": "MB of request body", "max_images": "images per request",
+    "max_image_pixels": "pixels per image, e.g. 4194304 for 2048^2", "max_request_pixels": "pixels per request",
+    "decode_workers": "requests decoded at once", "max_inflight": "requests handled at once",
+    "read_timeout_s": "seconds a connection may stay silent",
+}
+
+
+def check_limit(name: str, value: Any) -> int | float:
+    """A limit of :class:`Limits` as its type: an integer >= 1 for counts (an integral float is accepted), a finite
+    number > 0 for ``max_body_mb`` / ``read_timeout_s``. A limit that refuses every request (``max_images=0``,
+    ``max_image_pixels=-1``), drops every connection (``read_timeout_s=-1``) or is no number (inf, nan, a string,
+    a bool) raises a one-line :class:`StepflowError` naming ``name`` and its default."""
+    default = Limits.__dataclass_fields__[name].default
+    integer = isinstance(default, int)
+    ok = isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
+    if integer:
+        ok = ok and float(value).is_integer() and value >= 1
+    else:
+        ok = ok and value > 0
+    if not ok:
+        what = "an integer >= 1" if integer else "a finite number > 0"
+        raise StepflowError(f"{name}: must be {what}, got {value!r}; give {name}=<{_LIMIT_WHAT[name]}> "
+                            f"(default {default if integer else f'{default:g}'})")
+    return int(value) if integer else float(value)
+
+
+def check_port(port: Any) -> int:
+    """``port`` as an int in 0..65535 (0: the OS picks a free one); a one-line StepflowError otherwise."""
+    if isinstance(port, bool) or not isinstance(port, numbers.Integral) or not 0 <= port <= 65535:
+        raise StepflowError(f"port: must be an integer in 0..65535, got {port!r}; give port=18085 (or any free port "
+                            f"number), or port=0 for a free one")
+    return int(port)
+
+
+def check_host(host: Any) -> str:
+    """``host`` as a non-empty string (whether it resolves and can be bound: ``stepflow.serve_reward.check_bind``,
+    at start); a one-line StepflowError otherwise."""
+    if not isinstance(host, str) or not host.strip():
+        raise StepflowError(f"host: must be a host name or IP address, got {host!r}; give host=127.0.0.1 (this "
+                            f"machine only) or host=0.0.0.0 (every interface)")
+    return host
+
+
+@dataclass
+class ServeRewardConfig(Limits):
+    """The whole ``python -m stepflow.serve_reward`` configuration (``conf/serve_reward.yaml``): the request
+    :class:`Limits` (flat: ``max_images=...``), where to serve, and the ``reward`` (a ``_target_`` node, chosen by
+    ``reward=<name>``; its class checks its own arguments)."""
+
+    host: str = "127.0.0.1"  #: 0.0.0.0 to accept other machines (no authentication: trusted networks only)
+    port: int = 18085  #: 0 = a free one
+    reward: Any = None  #: chosen by the reward group (reward=<name>, required)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self.host = check_host(self.host)
+        self.port = check_port(self.port)
+
+    @property
+    def limits(self) -> Limits:
+        """The request limits alone."""
+        return Limits(**{f.name: getattr(self, f.name) for f in fields(Limits)})
+
+
+#: the schema each entry point's conf/<name>.yaml composes first (stored as ``<name>_schema``)
+SCHEMAS = {"train": RunConfig, "pretrain": PretrainConfig, "evaluate": EvaluateConfig,
+           "serve_reward": ServeRewardConfig}
+
+
 def register_configs() -> None:
-    """Store :class:`RunConfig` as ``train_schema`` in Hydra's ConfigStore (idempotent)."""
+    """Store each entry point's schema (:data:`SCHEMAS`: ``train_schema`` = :class:`RunConfig`,
+    ``pretrain_schema``, ``evaluate_schema``, ``serve_reward_schema``) in Hydra's ConfigStore (idempotent)."""
     from hydra.core.config_store import ConfigStore
 
-    ConfigStore.instance().store(name="train_schema", node=RunConfig)
+    for name, schema in SCHEMAS.items():
+        ConfigStore.instance().store(name=f"{name}_schema", node=schema)
+
+
+def _groups(cls: type) -> dict[str, type]:
+    """The fields of dataclass ``cls`` that are dataclasses themselves (its nested groups: ``optim``, ``sampler``)."""
+    if not dataclasses.is_dataclass(cls):
+        return {}
+    hints = typing.get_type_hints(cls)
+    return {f.name: hints[f.name] for f in fields(cls)
+            if isinstance(hints.get(f.name), type) and dataclasses.is_dataclass(hints[f.name])}
 
 
 def to_config(node: DictConfig, cls: type | None = None, prefix: str = ""):
-    """A config node as its dataclass (``__post_init__`` checks run); a failed check names ``<prefix>.<field>``."""
+    """A config node as its dataclass (``__post_init__`` checks run); a failed check names ``<prefix>.<field>``.
+
+    A dataclass with nested groups (:class:`PretrainConfig`'s ``optim``, ...) is built group by group, so that a
+    nested field's error is named in full (``optim.lr: must be ...``); an instance of ``cls`` is returned as is."""
     try:
+        if cls is not None and isinstance(node, cls):
+            return node
+        groups = _groups(cls) if cls is not None else {}
+        if groups:
+            kwargs = {}
+            for key in node:
+                value = node[key]
+                if key in groups and value is not None:
+                    kwargs[key] = to_config(value, groups[key], f"{prefix}.{key}" if prefix else str(key))
+                else:
+                    kwargs[key] = OmegaConf.to_object(value) if OmegaConf.is_config(value) else value
+            return cls(**kwargs)
         if cls is not None and not OmegaConf.is_config(node):
             return cls(**node)
         obj = OmegaConf.to_object(node)
         return cls(**obj) if cls is not None and isinstance(obj, dict) else obj
     except (TypeError, ValueError) as e:
-        from stepflow.cli import StepflowError
-
         msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise StepflowError(msg if not prefix or msg.startswith(prefix + ".") else f"{prefix}.{msg}") from None

@@ -25,9 +25,7 @@ from typing import Any
 import numpy as np
 import torch
 
-
-class PromptFileError(ValueError):
-    """A prompt file is missing, empty or malformed (one-line message naming the path)."""
+from stepflow.errors import PromptFileError
 
 
 def resolve_path(path: str | Path) -> Path:

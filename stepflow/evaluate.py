@@ -22,19 +22,32 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
-from stepflow.cli import StepflowError, entry_point
+from stepflow.cli import check_finite, entry_point
+from stepflow.config import EvaluateConfig, to_config
+from stepflow.errors import StepflowError
 
 log = logging.getLogger("stepflow.evaluate")
 
 
-def load_policy(cfg: DictConfig):
+def settings(cfg: DictConfig | EvaluateConfig) -> EvaluateConfig:
+    """The composed ``conf/evaluate.yaml`` as its typed :class:`~stepflow.config.EvaluateConfig`, every field
+    checked (a one-line StepflowError naming it: ``sampler.num_steps: must be an integer >= 1, got 0``), before the
+    model loads (minutes for a large one); inf / nan in any field, ``model.*`` included, are refused first."""
+    if isinstance(cfg, EvaluateConfig):
+        return cfg
+    check_finite(cfg)
+    return to_config(cfg, EvaluateConfig)
+
+
+def load_policy(cfg: DictConfig | EvaluateConfig):
     """The model of ``cfg.model`` (``ckpt_path`` replaces its weights), with the LoRA of ``lora_path`` if given."""
     from stepflow.cli import instantiate
 
-    mcfg = OmegaConf.to_container(cfg.model, resolve=True)
-    ckpt = cfg.get("ckpt_path")
+    cfg = settings(cfg)
+    mcfg = dict(cfg.model or {})
+    ckpt = cfg.ckpt_path
     if ckpt:
         p = Path(str(ckpt)).expanduser()
         if not p.exists():
@@ -50,7 +63,7 @@ def load_policy(cfg: DictConfig):
             raise StepflowError(f"ckpt_path: {p} is neither a model directory nor a pretraining .ckpt file")
     else:
         policy = instantiate(mcfg, "model")
-    lora = cfg.get("lora_path")
+    lora = cfg.lora_path
     if lora:
         p = Path(str(lora)).expanduser()
         if not p.exists():
@@ -79,12 +92,12 @@ def load_pretrain_checkpoint(path: str | Path, ema: bool = True):
     return policy
 
 
-def load_records(cfg: DictConfig) -> list[dict[str, Any]]:
+def load_records(cfg: DictConfig | EvaluateConfig) -> list[dict[str, Any]]:
     """Prompt records of ``prompt_file`` (a .jsonl/.txt path, ``pkg://`` path, or the split names train/eval)."""
     from stepflow.data import load_prompt_file
     from stepflow.shapes import load_prompts, parse_prompt
 
-    pf = cfg.get("prompt_file")
+    pf = settings(cfg).prompt_file
     if pf in (None, "", "eval", "train"):
         recs = load_prompts(pf or "eval")
     else:
@@ -101,50 +114,24 @@ def load_records(cfg: DictConfig) -> list[dict[str, Any]]:
     return out
 
 
-def check_settings(cfg: DictConfig) -> None:
-    """One-line errors for the evaluation's own settings, before the model loads (minutes for a large one)."""
-    from stepflow.cli import check_finite
-
-    check_finite(cfg)
-
-    def whole(key: str, lo: int, null_ok: bool = False, what: str = "") -> None:
-        v = OmegaConf.select(cfg, key)
-        if v is None and null_ok:
-            return
-        if not (isinstance(v, int) and not isinstance(v, bool) and v >= lo):
-            raise StepflowError(f"{key}: must be an integer >= {lo}{' or null' if null_ok else ''}{what}, got {v!r}")
-
-    whole("sampler.num_steps", 1)
-    whole("num_per_prompt", 1)
-    whole("max_prompts", 1, null_ok=True, what=" (null = all)")
-    whole("batch_size", 1)
-    whole("seed", 0)
-    whole("grid.per_category", 0, what=" (0 = no grids)")
-    whole("grid.ncol", 1)
-    g = cfg.sampler.get("guidance")
-    if g is not None and not (isinstance(g, (int, float)) and not isinstance(g, bool) and 1.0 <= g < float("inf")):
-        raise StepflowError(f"sampler.guidance: must be a finite number >= 1 (1 = no CFG) or null (the model's "
-                            f"eval_guidance), got {g!r}")
-
-
-def evaluate(cfg: DictConfig, out_dir: str | Path) -> dict[str, float]:
+def evaluate(cfg: DictConfig | EvaluateConfig, out_dir: str | Path) -> dict[str, float]:
     """Run the evaluation described by ``cfg`` and write its outputs to ``out_dir``; returns the table."""
     from stepflow.evaluation import evaluate_geneval, format_table, save_category_grids
     from stepflow.rewards.shapes_geneval import judge_batch
 
-    check_settings(cfg)
+    cfg = settings(cfg)  # every setting checked before anything is written or loaded
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    if cfg.get("torch_threads"):
-        torch.set_num_threads(int(cfg.torch_threads))
+    if cfg.torch_threads:
+        torch.set_num_threads(cfg.torch_threads)
     s = cfg.sampler
     records = load_records(cfg)
     policy = load_policy(cfg)
     t0 = time.perf_counter()
     guidance = float(s.guidance if s.guidance is not None else getattr(policy, "eval_guidance", 1.0))
-    table, images, recs = evaluate_geneval(policy, records, num_steps=int(s.num_steps), guidance=guidance,
-                                           seed=int(cfg.seed), num_per_prompt=int(cfg.num_per_prompt),
-                                           max_prompts=cfg.get("max_prompts"), batch_size=int(cfg.batch_size))
+    table, images, recs = evaluate_geneval(policy, records, num_steps=s.num_steps, guidance=guidance,
+                                           seed=cfg.seed, num_per_prompt=cfg.num_per_prompt,
+                                           max_prompts=cfg.max_prompts, batch_size=cfg.batch_size)
     elapsed = time.perf_counter() - t0
     prompts = [r["prompt"] for r in recs]
     results = judge_batch(images, prompts)
@@ -152,18 +139,16 @@ def evaluate(cfg: DictConfig, out_dir: str | Path) -> dict[str, float]:
     samples = [{"prompt": r["prompt"], "category": r.get("category"), "strict": bool(j.strict),
                 "partial": round(float(j.partial), 4)} for r, j in zip(recs, results)]
     (out / "samples.json").write_text(json.dumps({
-        "settings": {"model": OmegaConf.to_container(cfg.model, resolve=True), "ckpt_path": cfg.get("ckpt_path"),
-                     "lora_path": cfg.get("lora_path"), "prompt_file": cfg.get("prompt_file"),
-                     "num_steps": int(s.num_steps), "guidance": guidance, "seed": int(cfg.seed),
-                     "num_per_prompt": int(cfg.num_per_prompt), "num_samples": len(recs),
+        "settings": {"model": cfg.model, "ckpt_path": cfg.ckpt_path, "lora_path": cfg.lora_path,
+                     "prompt_file": cfg.prompt_file, "num_steps": s.num_steps, "guidance": guidance,
+                     "seed": cfg.seed, "num_per_prompt": cfg.num_per_prompt, "num_samples": len(recs),
                      "sampling_and_scoring_s": round(elapsed, 2)},
         "samples": samples}, indent=1) + "\n")
     g = cfg.grid
-    if int(g.per_category) > 0:
-        save_category_grids(images, recs, out, per_category=int(g.per_category), ncol=int(g.ncol),
+    if g.per_category > 0:
+        save_category_grids(images, recs, out, per_category=g.per_category, ncol=g.ncol,
                             scores=[float(j.strict) for j in results])
-    print(f"strict GenEval, {len(recs)} samples, {int(s.num_steps)} ODE steps, guidance {guidance:g}, "
-          f"seed {int(cfg.seed)}:")
+    print(f"strict GenEval, {len(recs)} samples, {s.num_steps} ODE steps, guidance {guidance:g}, seed {cfg.seed}:")
     print(format_table(table))
     print(f"wrote {out / 'eval.json'}")
     return table
@@ -173,7 +158,8 @@ def evaluate(cfg: DictConfig, out_dir: str | Path) -> dict[str, float]:
 def main(cfg: DictConfig) -> None:
     from hydra.core.hydra_config import HydraConfig
 
-    evaluate(cfg, cfg.get("out_dir") or HydraConfig.get().runtime.output_dir)
+    s = settings(cfg)
+    evaluate(s, s.out_dir or HydraConfig.get().runtime.output_dir)
 
 
 if __name__ == "__main__":

@@ -1,11 +1,11 @@
-"""Reusable evaluation pieces (no Hydra): deterministic ODE sampling, the GenEval table, sample grids, LoRA loading.
+"""Reusable evaluation pieces (no Hydra): deterministic ODE sampling, the GenEval table, sample grids (a saved LoRA
+loads with :func:`stepflow.policies.base.read_lora`).
 
 Used by ``python -m stepflow.evaluate``, by pretraining's periodic evaluation and by the GRPO loop's evaluation.
 """
 
 from __future__ import annotations
 
-import json
 import math
 import textwrap
 from collections import defaultdict
@@ -17,6 +17,7 @@ import torch
 from torch import Tensor
 
 from stepflow import stop
+from stepflow.errors import StopRequested
 from stepflow.policies.base import FlowPolicy
 
 
@@ -47,7 +48,7 @@ def sample_ode(policy: FlowPolicy, prompts: Sequence[str], num_steps: int = 10, 
         if dist is None:  # a stop request abandons a long evaluation between batches
             stop.check()
         elif dist.stop_requested():
-            raise stop.StopRequested(stop.reason())
+            raise StopRequested(stop.reason())
         x = noise[i:i + batch_size].to(dev)
         cond = policy.encode(prompts[i:i + batch_size])
         for t, t_next in zip(grid[:-1], grid[1:]):
@@ -201,55 +202,3 @@ def save_category_grids(images: Tensor, records: Sequence[dict[str, Any]], out_d
         paths.append(save_grid(images[idx], [records[i]["prompt"] for i in idx], Path(out_dir) / f"{prefix}_{cat}.png",
                                ncol=ncol, title=cat, scores=None if scores is None else [scores[i] for i in idx]))
     return paths
-
-
-# ---------------------------------------------------------------------------------------------------------- LoRA io
-_LORA_FILES = ("pytorch_lora_weights.safetensors", "adapter_model.safetensors")
-
-
-def read_lora(path: str | Path) -> tuple[dict[str, Tensor], dict[str, Any]]:
-    """Read a LoRA saved by peft (``adapter_model.safetensors`` + ``adapter_config.json``), by diffusers'
-    ``save_lora_weights`` (``pytorch_lora_weights.safetensors``, keys prefixed ``transformer.``) or a bare
-    safetensors file of peft-format keys. Returns ``(state, info)``: ``state`` in peft's key format
-    (``transformer_blocks.0.attn.to_q.lora_A.weight``) and ``info`` = ``{"rank", "alpha", "targets"}`` (the adapted
-    modules' full names, e.g. ``transformer_blocks.0.attn.to_q``).
-    """
-    from safetensors import safe_open
-    from safetensors.torch import load_file
-
-    path = Path(path)
-    if path.is_dir():
-        files = [path / f for f in _LORA_FILES if (path / f).is_file()] or sorted(path.glob("*.safetensors"))
-        if not files:
-            raise FileNotFoundError(f"lora_path: no LoRA safetensors file in {path}")
-        file = files[0]
-    elif path.is_file():
-        file = path
-    else:
-        raise FileNotFoundError(f"lora_path: {path} does not exist")
-    raw = load_file(str(file))
-    with safe_open(str(file), framework="pt") as f:
-        meta = f.metadata() or {}
-    state = {}
-    for k, v in raw.items():
-        for pre in ("base_model.model.", "transformer."):
-            if k.startswith(pre):
-                k = k[len(pre):]
-        k = k.replace(".lora_A.default.", ".lora_A.").replace(".lora_B.default.", ".lora_B.")
-        state[k] = v
-    a_keys = [k for k in state if ".lora_A." in k]
-    if not a_keys:
-        raise ValueError(f"lora_path: {file} holds no lora_A/lora_B weights")
-    rank = int(state[a_keys[0]].shape[0])
-    targets = sorted({k.split(".lora_A.")[0] for k in a_keys})  # the adapted modules' full names
-    alpha: float | None = None
-    cfg_file = file.parent / "adapter_config.json"
-    if cfg_file.is_file():
-        alpha = float(json.loads(cfg_file.read_text()).get("lora_alpha", rank))
-    elif "lora_adapter_metadata" in meta:  # diffusers >= 0.34 stores the LoraConfig in the metadata
-        md = json.loads(meta["lora_adapter_metadata"])
-        md = md.get("transformer", md) if isinstance(md, dict) else {}
-        alpha = float(md.get("lora_alpha", rank))
-    elif "lora_alpha" in meta:
-        alpha = float(meta["lora_alpha"])
-    return state, {"rank": rank, "alpha": float(alpha if alpha is not None else rank), "targets": targets}

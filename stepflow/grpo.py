@@ -15,13 +15,13 @@ from typing import Any
 import lightning as L
 import torch
 
-from stepflow import stop
 from stepflow.advantage import AdvantageConfig, AdvantageEstimator
 from stepflow.algorithm import Learner, iteration, iteration_metrics
 from stepflow.config import EmaConfig, EvalConfig, LoopConfig, TrainConfig
 from stepflow.data import GroupSampler
 from stepflow.dist import Dist
 from stepflow.ema import ParamEMA
+from stepflow.errors import RewardServiceError, StopRequested
 from stepflow.policies.base import FlowPolicy
 from stepflow.rewards.base import Reward
 from stepflow.sde import SamplerConfig
@@ -193,11 +193,9 @@ class GRPOModule(L.LightningModule):
     def _guarded(self, fn):
         """``fn()``, or None after a stop request or a reward service that stays down: the run then stops cleanly
         (``stop_reason``) with last.ckpt holding the last finished iteration."""
-        from stepflow.rewards.errors import RewardServiceError
-
         try:
             return fn()
-        except stop.StopRequested as e:
+        except StopRequested as e:
             self.stop_reason, self.stop_signal = f"stopped by {e} after iteration {self.iteration}", str(e)
         except RewardServiceError as e:
             self.stop_reason = f"reward service failed at iteration {self.iteration}: {e}"

@@ -39,7 +39,15 @@ import torch
 from torch import Tensor
 from torch.utils.data import DataLoader, IterableDataset
 
-from stepflow.cli import entry_point
+from stepflow.cli import check_finite, entry_point
+from stepflow.config import (
+    PretrainConfig,
+    PretrainEmaConfig,
+    PretrainEvalConfig,
+    PretrainObjectiveConfig,
+    PretrainOptimConfig,
+    to_config,
+)
 
 log = logging.getLogger("stepflow.pretrain")
 
@@ -100,7 +108,11 @@ def flow_matching_loss(policy, x0: Tensor, prompts: list[str], t: Tensor, noise:
 
 class PretrainModule(pl.LightningModule):
     """Rectified-flow pretraining of a :class:`~stepflow.policies.shapes.ShapesPolicy` with an EMA copy and periodic
-    strict-GenEval evaluation of the EMA weights."""
+    strict-GenEval evaluation of the EMA weights.
+
+    The groups come as plain dicts (``dataclasses.asdict`` of :class:`~stepflow.config.PretrainConfig`'s groups):
+    they are the checkpoint's hyper-parameters, which load without unpickling any class; the module reads them as
+    their typed, checked configs."""
 
     def __init__(self, arch: dict[str, Any], optim: dict[str, Any], objective: dict[str, Any], ema: dict[str, Any],
                  evaluation: dict[str, Any], max_steps: int, vocab: list[str] | None = None,
@@ -111,7 +123,10 @@ class PretrainModule(pl.LightningModule):
         self.save_hyperparameters()
         self.policy = ShapesPolicy.build(vocab=vocab, max_length=max_length, prefix="arch.", **arch)
         self.ema = copy.deepcopy(self.policy).requires_grad_(False).eval()
-        self.optim_cfg, self.objective, self.ema_cfg, self.eval_cfg = optim, objective, ema, evaluation
+        self.optim_cfg: PretrainOptimConfig = to_config(optim, PretrainOptimConfig, "optim")
+        self.objective: PretrainObjectiveConfig = to_config(objective, PretrainObjectiveConfig, "objective")
+        self.ema_cfg: PretrainEmaConfig = to_config(ema, PretrainEmaConfig, "ema")
+        self.eval_cfg: PretrainEvalConfig = to_config(evaluation, PretrainEvalConfig, "eval")
         self.max_steps_total = int(max_steps)
         self.out_dir = Path(out_dir) if out_dir else None
         self.history: list[dict[str, Any]] = []
@@ -126,10 +141,10 @@ class PretrainModule(pl.LightningModule):
         decay, no_decay = [], []
         for n, p in self.policy.named_parameters():
             (no_decay if p.ndim < 2 or "embed" in n or n.endswith(".pos") else decay).append(p)
-        opt = torch.optim.AdamW([{"params": decay, "weight_decay": float(o["weight_decay"])},
+        opt = torch.optim.AdamW([{"params": decay, "weight_decay": o.weight_decay},
                                  {"params": no_decay, "weight_decay": 0.0}],
-                                lr=float(o["lr"]), betas=tuple(o["betas"]))
-        warm, total, floor = int(o["warmup_steps"]), max(1, self.max_steps_total), float(o["min_lr_ratio"])
+                                lr=o.lr, betas=tuple(o.betas))
+        warm, total, floor = o.warmup_steps, max(1, self.max_steps_total), o.min_lr_ratio
 
         def lr_lambda(step: int) -> float:
             if step < warm:
@@ -146,7 +161,7 @@ class PretrainModule(pl.LightningModule):
         if self._t0 is None:
             self._t0 = time.perf_counter()
         ob = self.objective
-        t = sample_t(x0.shape[0], ob["t_sampling"], ob.get("logit_mean", 0.0), ob.get("logit_std", 1.0)).to(x0)
+        t = sample_t(x0.shape[0], ob.t_sampling, ob.logit_mean, ob.logit_std).to(x0)
         noise = torch.randn_like(x0)
         loss = flow_matching_loss(self.policy, x0, list(prompts), t, noise)
         self.log("train/loss", loss, prog_bar=True, on_step=True, batch_size=x0.shape[0])
@@ -157,17 +172,17 @@ class PretrainModule(pl.LightningModule):
     def on_train_batch_end(self, outputs, batch, batch_idx):
         # EMA with warm-up (decay ramps up from 0.1 so the average is not stuck at the random init).
         step = self.global_step
-        d = min(float(self.ema_cfg["decay"]), (1 + step) / (10 + step))
+        d = min(self.ema_cfg.decay, (1 + step) / (10 + step))
         for pe, p in zip(self.ema.parameters(), self.policy.parameters()):
             pe.lerp_(p.detach(), 1.0 - d)
         for be, b in zip(self.ema.buffers(), self.policy.buffers()):
             be.copy_(b)
-        every = int(self.eval_cfg.get("every_n_steps") or 0)
+        every = self.eval_cfg.every_n_steps
         if every > 0 and step > 0 and step % every == 0:
             self.run_eval(step)
 
     def on_train_end(self):
-        every = int(self.eval_cfg.get("every_n_steps") or 0)
+        every = self.eval_cfg.every_n_steps
         if every > 0 and (not self.history or self.history[-1]["step"] != self.global_step):
             self.run_eval(self.global_step)
 
@@ -177,8 +192,8 @@ class PretrainModule(pl.LightningModule):
             from stepflow.evaluation import balanced_subset
             from stepflow.shapes import load_prompts
 
-            recs = load_prompts(self.eval_cfg.get("split", "eval"))
-            self._eval_records = balanced_subset(recs, self.eval_cfg.get("max_prompts"))
+            recs = load_prompts(self.eval_cfg.split)
+            self._eval_records = balanced_subset(recs, self.eval_cfg.max_prompts)
         return self._eval_records
 
     @torch.no_grad()
@@ -188,8 +203,8 @@ class PretrainModule(pl.LightningModule):
         t0 = time.perf_counter()
         self.ema.clear_cache()  # the EMA weights moved since the last evaluation
         e = self.eval_cfg
-        table, images, recs = evaluate_geneval(self.ema, self.eval_records(), num_steps=int(e["num_steps"]),
-                                               guidance=float(e["guidance"]), seed=int(e["seed"]))
+        table, images, recs = evaluate_geneval(self.ema, self.eval_records(), num_steps=e.num_steps,
+                                               guidance=float(e.guidance), seed=e.seed)
         self.ema.clear_cache()
         elapsed = time.perf_counter() - (self._t0 or t0) + self.time_offset
         row = {"step": int(step), "train_time_s": round(elapsed, 1), "eval_time_s": round(time.perf_counter() - t0, 2),
@@ -203,10 +218,10 @@ class PretrainModule(pl.LightningModule):
             row["path"] = str(ck)
             with open(self.out_dir / "evals.jsonl", "a") as f:
                 f.write(json.dumps(row) + "\n")
-            if e.get("save_grid", True):
+            if e.save_grid:
                 from stepflow.evaluation import save_grid
 
-                idx = _first_per_category(recs, int(e.get("grid_per_category", 4)))
+                idx = _first_per_category(recs, e.grid_per_category)
                 save_grid(images[idx], [recs[i]["prompt"] for i in idx], self.out_dir / "grids" / f"step{step:06d}.png",
                           ncol=8, title=f"EMA step {step}: geneval {table['geneval']:.3f}")
         log.info("step %d  (%.0fs)  eval on %d prompts:\n%s", step, elapsed, len(recs), format_table(table))
@@ -288,53 +303,67 @@ def write_card(path: Path, cfg: dict[str, Any], row: dict[str, Any], history: li
 
 
 # ------------------------------------------------------------------------------------------------------------ main
+def settings(cfg) -> PretrainConfig:
+    """The composed ``conf/pretrain.yaml`` as its typed :class:`~stepflow.config.PretrainConfig`, every field of every
+    group checked (a one-line StepflowError naming it: ``optim.lr: must be a finite number > 0, got 0.0``) before
+    anything is built; a PretrainConfig is returned as is."""
+    if isinstance(cfg, PretrainConfig):
+        return cfg
+    check_finite(cfg)
+    return to_config(cfg, PretrainConfig)
+
+
 def run(cfg) -> dict[str, Any]:
-    """Train, evaluate, select (and export) as configured; returns a summary dict. ``cfg``: an OmegaConf config."""
+    """Train, evaluate, select (and export) as configured; returns a summary dict. ``cfg``: the composed config
+    (or its :class:`~stepflow.config.PretrainConfig`)."""
+    from dataclasses import asdict
+
     from lightning.pytorch.callbacks import ModelCheckpoint, TQDMProgressBar
     from lightning.pytorch.loggers import CSVLogger
-    from omegaconf import OmegaConf
 
+    from stepflow.errors import StepflowError
     from stepflow.policies.shapes import world_vocab
 
+    cfg = settings(cfg)
+    if not cfg.out_dir:
+        raise StepflowError("out_dir: the run's directory is needed (the CLI gives its Hydra run dir); give "
+                            "out_dir=<dir>")
     out = Path(cfg.out_dir).resolve()
     out.mkdir(parents=True, exist_ok=True)
-    pl.seed_everything(int(cfg.seed), workers=True)
-    if cfg.get("torch_threads"):
-        torch.set_num_threads(int(cfg.torch_threads))
+    pl.seed_everything(cfg.seed, workers=True)
+    if cfg.torch_threads:
+        torch.set_num_threads(cfg.torch_threads)
     vocab, longest = world_vocab()
     tcfg = cfg.trainer
-    module = PretrainModule(arch=OmegaConf.to_container(cfg.arch, resolve=True),
-                            optim=OmegaConf.to_container(cfg.optim, resolve=True),
-                            objective=OmegaConf.to_container(cfg.objective, resolve=True),
-                            ema=OmegaConf.to_container(cfg.ema, resolve=True),
-                            evaluation=OmegaConf.to_container(cfg.eval, resolve=True),
-                            max_steps=int(tcfg.max_steps), vocab=vocab, max_length=longest + 1, out_dir=str(out))
-    if cfg.get("resume") and (out / "evals.jsonl").is_file():
+    module = PretrainModule(arch=asdict(cfg.arch), optim=asdict(cfg.optim), objective=asdict(cfg.objective),
+                            ema=asdict(cfg.ema), evaluation=asdict(cfg.eval), max_steps=tcfg.max_steps, vocab=vocab,
+                            max_length=longest + 1, out_dir=str(out))
+    if cfg.resume and (out / "evals.jsonl").is_file():
         module.time_offset = float(read_history(out)[-1]["train_time_s"])
     n_params = module.policy.num_parameters()
     log.info("ShapesPolicy: %s parameters; vocab %d words; max_length %d", n_params, len(vocab), longest + 1)
     # a resumed run continues with fresh data (the stream's seed includes the step it resumes from)
     start = 0
-    if cfg.get("resume"):
+    if cfg.resume:
         from stepflow.checkpoint import safe_load
 
         start = int(safe_load(cfg.resume, "resume").get("global_step", 0))
-    data = ShapesStream(batch_size=cfg.data.batch_size, seed=int(cfg.seed), start=start, size=int(cfg.arch.image_size),
-                        categories=cfg.data.get("categories"), empty_prompt_prob=float(cfg.data.empty_prompt_prob))
-    loader = DataLoader(data, batch_size=None, num_workers=int(cfg.data.num_workers))
+    d = cfg.data
+    data = ShapesStream(batch_size=d.batch_size, seed=cfg.seed, start=start, size=cfg.arch.image_size,
+                        categories=d.categories, empty_prompt_prob=d.empty_prompt_prob)
+    loader = DataLoader(data, batch_size=None, num_workers=d.num_workers)
     callbacks = [ModelCheckpoint(dirpath=str(out / "checkpoints"), filename="last", save_last=False,
-                                 every_n_train_steps=int(tcfg.checkpoint_every_n_steps), save_top_k=1,
+                                 every_n_train_steps=tcfg.checkpoint_every_n_steps, save_top_k=1,
                                  enable_version_counter=False)]
-    if tcfg.get("progress_bar", True):
-        callbacks.append(TQDMProgressBar(refresh_rate=int(tcfg.get("progress_refresh", 10))))
-    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=int(tcfg.max_steps), max_time=tcfg.get("max_time"),
-                         gradient_clip_val=float(cfg.optim.grad_clip) or None, logger=CSVLogger(str(out), name="logs"),
-                         callbacks=callbacks, log_every_n_steps=int(tcfg.log_every_n_steps),
-                         enable_progress_bar=bool(tcfg.get("progress_bar", True)), enable_model_summary=False,
-                         fast_dev_run=bool(tcfg.get("fast_dev_run", False)), limit_val_batches=0,
-                         num_sanity_val_steps=0)
+    if tcfg.progress_bar:
+        callbacks.append(TQDMProgressBar(refresh_rate=tcfg.progress_refresh))
+    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=tcfg.max_steps, max_time=tcfg.max_time,
+                         gradient_clip_val=cfg.optim.grad_clip or None, logger=CSVLogger(str(out), name="logs"),
+                         callbacks=callbacks, log_every_n_steps=tcfg.log_every_n_steps,
+                         enable_progress_bar=tcfg.progress_bar, enable_model_summary=False,
+                         fast_dev_run=tcfg.fast_dev_run, limit_val_batches=0, num_sanity_val_steps=0)
     t0 = time.perf_counter()
-    trainer.fit(module, train_dataloaders=loader, ckpt_path=cfg.get("resume") or None)
+    trainer.fit(module, train_dataloaders=loader, ckpt_path=cfg.resume or None)
     train_time = time.perf_counter() - t0 + module.time_offset
     steps = int(trainer.global_step)
     log.info("trained %d steps in %.0f s", steps, train_time)
@@ -359,35 +388,33 @@ def finalize(cfg, out: Path, history: list[dict[str, Any]], steps: int, train_ti
              n_params: dict[str, int]) -> dict[str, Any]:
     """Re-score candidate EMA checkpoints on the (full) evaluation set, select one (:func:`select_checkpoint`), write
     ``selected/`` with a model card and, with ``export=true``, copy it to the package assets."""
-    from omegaconf import OmegaConf
+    from dataclasses import asdict
 
     from stepflow.evaluation import balanced_subset, evaluate_geneval, format_table
     from stepflow.policies.shapes import ShapesPolicy, default_asset_dir
     from stepflow.shapes import load_prompts
 
-    s = cfg.select
+    cfg = settings(cfg)
+    s, e = cfg.select, cfg.eval
     summary: dict[str, Any] = {}
-    if not history or not s.get("enabled", True):
+    if not history or not s.enabled:
         return summary
-    recs = balanced_subset(load_prompts(cfg.eval.get("split", "eval")), s.get("rescore_max_prompts"))
-    margin = float(s.get("rescore_margin", 0.1))
-    near = [h for h in history if float(s.low) - margin <= h["geneval"] <= float(s.high) + margin]
-    cands = sorted(near, key=lambda r: r["step"])[-int(s.rescore_top_k):]
+    recs = balanced_subset(load_prompts(e.split), s.rescore_max_prompts)
+    margin = s.rescore_margin
+    near = [h for h in history if s.low - margin <= h["geneval"] <= s.high + margin]
+    cands = sorted(near, key=lambda r: r["step"])[-s.rescore_top_k:]
     rows = []
     for h in cands:
         pol = ShapesPolicy.from_pretrained(h["path"])
-        table, _, _ = evaluate_geneval(pol, recs, num_steps=int(cfg.eval.num_steps),
-                                       guidance=float(cfg.eval.guidance), seed=int(cfg.eval.seed))
+        table, _, _ = evaluate_geneval(pol, recs, num_steps=e.num_steps, guidance=float(e.guidance), seed=e.seed)
         rows.append({"step": h["step"], "path": h["path"], "train_time_s": h["train_time_s"],
-                     "num_prompts": len(recs), "num_steps": int(cfg.eval.num_steps), "seed": int(cfg.eval.seed),
-                     "shift": pol.shift, **table})
+                     "num_prompts": len(recs), "num_steps": e.num_steps, "seed": e.seed, "shift": pol.shift, **table})
         log.info("full eval of step %d: %s", h["step"], json.dumps({k: round(v, 4) for k, v in table.items()}))
     (out / "full_evals.json").write_text(json.dumps(rows, indent=1))
     summary["full_evals"] = rows
-    best = select_checkpoint(rows, float(s.target), float(s.low), float(s.high), float(s.min_category),
-                             tolerance=s.get("tolerance"))
+    best = select_checkpoint(rows, s.target, s.low, s.high, s.min_category, tolerance=s.tolerance)
     if best is None:
-        log.warning("no checkpoint satisfies the selection window %s; nothing selected", dict(s))
+        log.warning("no checkpoint satisfies the selection window %s; nothing selected", asdict(s))
         return summary
     sel = out / "selected"
     if sel.exists():
@@ -396,15 +423,15 @@ def finalize(cfg, out: Path, history: list[dict[str, Any]], steps: int, train_ti
     summary["selected"] = best
     log.info("selected step %d:\n%s", best["step"], format_table({k: v for k, v in best.items()
                                                                   if k.startswith("geneval")}))
-    extra = {"seed": int(cfg.seed), "selected step": best["step"], "steps trained": steps,
+    extra = {"seed": cfg.seed, "selected step": best["step"], "steps trained": steps,
              "training time to the selected step (s)": best["train_time_s"],
-             "total training time (s)": round(train_time, 1), "batch size": int(cfg.data.batch_size),
-             "optimizer": json.dumps(OmegaConf.to_container(cfg.optim)),
-             "objective": json.dumps(OmegaConf.to_container(cfg.objective)),
-             "EMA decay": float(cfg.ema.decay), "prompt dropout": float(cfg.data.empty_prompt_prob),
+             "total training time (s)": round(train_time, 1), "batch size": cfg.data.batch_size,
+             "optimizer": json.dumps(asdict(cfg.optim)),
+             "objective": json.dumps(asdict(cfg.objective)),
+             "EMA decay": cfg.ema.decay, "prompt dropout": cfg.data.empty_prompt_prob,
              "data": "fresh `sample_prompt` prompts of all six categories (round-robin), rendered on the fly",
-             "selection": json.dumps(OmegaConf.to_container(s)),
-             "machine": f"shared 2-core CPU, {cfg.get('torch_threads') or 'default'} torch thread(s)",
+             "selection": json.dumps(asdict(s)),
+             "machine": f"shared 2-core CPU, {cfg.torch_threads or 'default'} torch thread(s)",
              "command": "python -m stepflow.pretrain export=true"}
     cfg_json = json.loads((sel / "config.json").read_text())
     cfg_json["meta"] = {**cfg_json.get("meta", {}), "eval_full": {k: v for k, v in best.items()
@@ -413,8 +440,8 @@ def finalize(cfg, out: Path, history: list[dict[str, Any]], steps: int, train_ti
     card_cfg = {k: v for k, v in cfg_json.items() if k not in ("vocab", "meta")}
     card_cfg["vocab_size"] = len(cfg_json["vocab"])
     write_card(sel / "README.md", card_cfg, best, history, n_params, extra)
-    if cfg.get("export"):
-        dest = Path(cfg.export_dir) if cfg.get("export_dir") else default_asset_dir()
+    if cfg.export:
+        dest = Path(cfg.export_dir) if cfg.export_dir else default_asset_dir()
         dest.mkdir(parents=True, exist_ok=True)
         for f in ("config.json", "model.safetensors", "README.md"):
             shutil.copy2(sel / f, dest / f)
@@ -439,16 +466,16 @@ def finalize_run_dir(cfg, run_dir: str | Path) -> dict[str, Any]:
 @entry_point("pretrain")
 def main(cfg) -> None:
     from hydra.core.hydra_config import HydraConfig
-    from omegaconf import OmegaConf, open_dict
+    from omegaconf import OmegaConf
 
-    with open_dict(cfg):
-        if not cfg.get("out_dir"):
-            cfg.out_dir = HydraConfig.get().runtime.output_dir
-    log.info("config:\n%s", OmegaConf.to_yaml(cfg))
-    if cfg.get("finalize_only"):
-        finalize_run_dir(cfg, cfg.finalize_only)
+    s = settings(cfg)  # every field checked before anything is built
+    if not s.out_dir:
+        s.out_dir = HydraConfig.get().runtime.output_dir
+    log.info("config:\n%s", OmegaConf.to_yaml(OmegaConf.structured(s)))
+    if s.finalize_only:
+        finalize_run_dir(s, s.finalize_only)
     else:
-        run(cfg)
+        run(s)
 
 
 if __name__ == "__main__":

@@ -11,9 +11,14 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-__all__ = ["run_lock", "acquire", "release", "RunDirCallback", "check_resume", "global_rank", "LOCK_NAME"]
+from stepflow.errors import StepflowError
+
+__all__ = ["run_lock", "acquire", "release", "RunDirCallback", "check_resume", "global_rank", "LOCK_NAME", "RESUMABLE"]
 
 LOCK_NAME = ".stepflow.lock"
+
+#: settings a resume may change: how long the run goes on, how it is evaluated, CPU threads, where it logs
+RESUMABLE = ("ckpt_path", "loop.iterations", "eval.", "torch_threads", "logger.", "trainer.devices", "trainer.num_nodes")
 
 
 def _alive(pid: int) -> bool:
@@ -49,8 +54,6 @@ def acquire(run_dir: Path) -> bool:
     """Take ``<run_dir>/.stepflow.lock`` (pid, host, start time) for this process; True if it was taken now, False if
     this process already holds it. A second run on the same directory stops with one line naming the holder; a lock
     left by a process that is gone (same host) is taken over."""
-    from stepflow.cli import StepflowError
-
     path = Path(run_dir) / LOCK_NAME
     me = {"pid": os.getpid(), "host": socket.gethostname(), "since": time.strftime("%Y-%m-%d %H:%M:%S")}
     for _ in range(2):
@@ -128,7 +131,7 @@ class RunDirCallback(_Callback):
     def on_run_start(self, config: DictConfig, **kwargs) -> None:
         import atexit
 
-        from stepflow.cli import StepflowError, fail
+        from stepflow.cli import fail
 
         run_dir = self._create(config, "hydra.run.dir")
         if not self.lock or global_rank() != 0:
@@ -151,12 +154,10 @@ def _flat(d, prefix: str = "") -> dict:
 
 def check_resume(cfg: DictConfig, run_dir: Path, resumable: tuple[str, ...] | None = None) -> None:
     """A resume must keep the settings of ``<run_dir>/config.yaml`` except those in ``resumable`` (prefixes; default
-    :data:`stepflow.train.RESUMABLE`); the original config.yaml is never rewritten. The resumed settings go to
+    :data:`RESUMABLE`); the original config.yaml is never rewritten. The resumed settings go to
     ``config.resume.yaml``."""
-    from stepflow.cli import StepflowError
-
     if resumable is None:
-        from stepflow.train import RESUMABLE as resumable
+        resumable = RESUMABLE
     saved = Path(run_dir) / "config.yaml"
     new = OmegaConf.to_container(cfg, resolve=True)
     if saved.is_file():

@@ -11,7 +11,7 @@ every limit below is a positive, finite number (counts are integers >= 1; :func:
 integer in 0..65535 (0: a free one), ``host`` resolves and ``host:port`` can be bound (:func:`check_bind`: a port in
 use, a privileged port, an address that is not this machine's are named as such).
 
-What a request may cost is bounded before anything is decoded (:class:`Limits`, ``conf/serve_reward.yaml``): the
+What a request may cost is bounded before anything is decoded (:class:`Limits`, in ``stepflow.config``): the
 body size (``Content-Length``, checked before the body is read), the images per request, and the pixels per image
 and per request, read from each PNG / JPEG header (a lazy ``PIL.Image.open``) before any pixel is decoded. At most
 ``decode_workers`` requests decode at once and at most ``max_inflight`` are handled at once (more answer 503, which
@@ -35,18 +35,20 @@ from __future__ import annotations
 import errno
 import json
 import logging
-import math
-import numbers
 import re
 import socket
 import threading
-from dataclasses import asdict, dataclass, fields
+from dataclasses import fields
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-from stepflow.cli import StepflowError, entry_point
+from stepflow.cli import check_finite, entry_point
+
+# the limits, their checks and the whole config live in stepflow.config (the schema Hydra composes); Limits and
+# check_limit are re-exported here
+from stepflow.config import Limits, ServeRewardConfig, check_host, check_limit, check_port, to_config  # noqa: F401
+from stepflow.errors import StepflowError, one_line
 from stepflow.rewards.base import Reward
-from stepflow.rewards.errors import one_line
 
 log = logging.getLogger("stepflow.serve_reward")
 
@@ -54,70 +56,10 @@ _EXPECTED = 'expected {"images": [base64 PNG/JPEG], "prompts": [str], "meta": [o
 _DIGITS = re.compile(r"[0-9]{1,18}")
 
 
-@dataclass(frozen=True)
-class Limits:
-    """What one request may make the server read and decode (``conf/serve_reward.yaml``); every field is checked
-    by :func:`check_limit` when the limits are made (a limit of 0, -1, inf or nan is a StepflowError naming it)."""
-
-    max_body_mb: float = 256.0             # request body (base64 JSON), checked from Content-Length before reading
-    max_images: int = 256                  # images per request
-    max_image_pixels: int = 2048 * 2048    # width * height of one image, from its header, before decoding
-    max_request_pixels: int = 64 * 1024**2  # sum over a request's images (64 images of 1024^2; 768 MB as float32)
-    decode_workers: int = 2                # requests decoded at the same time
-    max_inflight: int = 16                 # requests handled at the same time (more: 503, retried by clients)
-    read_timeout_s: float = 60.0           # a connection that sends nothing for this long is closed
-
-    def __post_init__(self) -> None:
-        for f in fields(self):
-            object.__setattr__(self, f.name, check_limit(f.name, getattr(self, f.name)))
-
-    @property
-    def max_body(self) -> int:
-        return int(self.max_body_mb * 2**20)
-
-
-#: what each limit bounds, for the fix of its error message
-_LIMIT_WHAT = {
-    "max_body_mb": "MB of request body", "max_images": "images per request",
-    "max_image_pixels": "pixels per image, e.g. 4194304 for 2048^2", "max_request_pixels": "pixels per request",
-    "decode_workers": "requests decoded at once", "max_inflight": "requests handled at once",
-    "read_timeout_s": "seconds a connection may stay silent",
-}
-
-
-def check_limit(name: str, value: Any) -> int | float:
-    """A limit of :class:`Limits` as its type: an integer >= 1 for counts (an integral float is accepted), a finite
-    number > 0 for ``max_body_mb`` / ``read_timeout_s``. A limit that refuses every request (``max_images=0``,
-    ``max_image_pixels=-1``), drops every connection (``read_timeout_s=-1``) or is no number (inf, nan, a string,
-    a bool) raises a one-line :class:`StepflowError` naming ``name`` and its default."""
-    default = Limits.__dataclass_fields__[name].default
-    integer = isinstance(default, int)
-    ok = isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
-    if integer:
-        ok = ok and float(value).is_integer() and value >= 1
-    else:
-        ok = ok and value > 0
-    if not ok:
-        what = "an integer >= 1" if integer else "a finite number > 0"
-        raise StepflowError(f"{name}: must be {what}, got {value!r}; give {name}=<{_LIMIT_WHAT[name]}> "
-                            f"(default {default if integer else f'{default:g}'})")
-    return int(value) if integer else float(value)
-
-
-def check_port(port: Any) -> int:
-    """``port`` as an int in 0..65535 (0: the OS picks a free one); a one-line StepflowError otherwise."""
-    if isinstance(port, bool) or not isinstance(port, numbers.Integral) or not 0 <= port <= 65535:
-        raise StepflowError(f"port: must be an integer in 0..65535, got {port!r}; give port=18085 (or any free port "
-                            f"number), or port=0 for a free one")
-    return int(port)
-
-
 def _family(host: str, port: int) -> socket.AddressFamily:
     """The address family to bind ``host`` with (IPv4 first; ``::1`` / ``::`` are IPv6); a one-line StepflowError
     naming ``host`` when it is no string or does not resolve."""
-    if not isinstance(host, str) or not host.strip():
-        raise StepflowError(f"host: must be a host name or IP address, got {host!r}; give host=127.0.0.1 (this "
-                            f"machine only) or host=0.0.0.0 (every interface)")
+    check_host(host)
     try:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
     except (socket.gaierror, UnicodeError, OSError) as e:
@@ -183,10 +125,12 @@ class _BadRequest(ValueError):
         self.code = code
 
 
-def _parse_request(body: bytes, limits: Limits = Limits()) -> tuple[Any, list[str], list[dict] | None]:
-    """Validate a request body and decode its images (within ``limits``); raises :class:`_BadRequest`."""
+def _parse_request(body: bytes, limits: Limits | None = None) -> tuple[Any, list[str], list[dict] | None]:
+    """Validate a request body and decode its images (within ``limits``, default :class:`Limits`); raises
+    :class:`_BadRequest`."""
     from stepflow.rewards.remote import ImageLimitError, decode_images
 
+    limits = limits or Limits()
     try:
         req = json.loads(body)
     except (ValueError, RecursionError):  # UnicodeDecodeError is a ValueError
@@ -228,7 +172,7 @@ def make_server(reward: Reward, host: str = "127.0.0.1", port: int = 18085, max_
     if max_body_mb is not None:
         limit_overrides["max_body_mb"] = max_body_mb
     if limit_overrides:
-        lim = Limits(**{**asdict(lim), **limit_overrides})
+        lim = Limits(**{**{f.name: getattr(lim, f.name) for f in fields(Limits)}, **limit_overrides})
     server_class = _server_class(host, port)
     lock = threading.Lock()  # around the reward: never held while reading or decoding
     decoding = threading.BoundedSemaphore(lim.decode_workers)
@@ -378,18 +322,29 @@ def serve(reward: Reward, host: str, port: int, max_body_mb: float | None = None
 
 
 def limits_from_config(cfg: Any) -> Limits:
-    """The :class:`Limits` fields present in a config node (``conf/serve_reward.yaml``), each checked by
-    :func:`check_limit` (a one-line StepflowError naming the field); the rest keep defaults."""
+    """The :class:`Limits` fields present in a config node (``conf/serve_reward.yaml``, or any part of one), each
+    checked by :func:`check_limit` (a one-line StepflowError naming the field); the rest keep defaults. The entry
+    point reads the whole config with :func:`settings`."""
     return Limits(**{f.name: cfg[f.name] for f in fields(Limits) if cfg.get(f.name) is not None})
+
+
+def settings(cfg: Any) -> ServeRewardConfig:
+    """The composed ``conf/serve_reward.yaml`` as its typed :class:`ServeRewardConfig`: every limit
+    (:func:`check_limit`), ``host`` and ``port`` (:func:`check_port`) checked, a one-line StepflowError naming the
+    field otherwise (``max_images: must be an integer >= 1, got 0; ...``)."""
+    if isinstance(cfg, ServeRewardConfig):
+        return cfg
+    check_finite(cfg)
+    return to_config(cfg, ServeRewardConfig)
 
 
 @entry_point("serve_reward")
 def main(cfg) -> None:
     from stepflow.rewards.registry import build_reward
 
-    limits = limits_from_config(cfg)  # every check before the reward is built (a model can take minutes to load)
-    check_bind(cfg.host, cfg.port)
-    serve(build_reward(cfg.reward), cfg.host, int(cfg.port), limits=limits)
+    s = settings(cfg)  # every check before the reward is built (a model can take minutes to load)
+    check_bind(s.host, s.port)
+    serve(build_reward(s.reward), s.host, s.port, limits=s.limits)
 
 
 if __name__ == "__main__":

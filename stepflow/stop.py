@@ -1,8 +1,8 @@
 """A process-wide stop request: set by the SIGTERM / SIGINT handler of a training run, polled by long waits.
 
 Blocking work that can outlast a preemption grace period (a remote reward call, a retry back-off) waits in short
-slices with :func:`wait` and raises :class:`StopRequested` once a stop was asked for, so the run can write its
-checkpoint and exit within a bounded time.
+slices with :func:`wait` and raises :class:`~stepflow.errors.StopRequested` once a stop was asked for, so the run can
+write its checkpoint and exit within a bounded time.
 """
 
 from __future__ import annotations
@@ -11,16 +11,14 @@ import contextlib
 import signal
 import threading
 
-__all__ = ["STOP", "StopRequested", "check", "wait", "request", "clear", "reason", "signals_handled", "EXIT_CODES"]
+from stepflow.errors import StopRequested
+
+__all__ = ["STOP", "check", "wait", "request", "clear", "reason", "signals_handled", "EXIT_CODES"]
 
 #: set once a stop was requested (signal handler or test); cleared by :func:`clear`
 STOP = threading.Event()
 #: the signal (or reason) that asked for the stop
 _reason: list[str] = []
-
-
-class StopRequested(RuntimeError):
-    """Raised by :func:`check` / :func:`wait` when a stop was requested."""
 
 
 def request(reason: str = "stop requested") -> None:

@@ -17,8 +17,9 @@ from typing import Any
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from stepflow.cli import StepflowError, entry_point, instantiate
+from stepflow.cli import entry_point, instantiate
 from stepflow.config import DataConfig, EmaConfig, EvalConfig, LoopConfig, LoraConfig, TrainConfig, to_config
+from stepflow.errors import StepflowError
 
 
 def _container(node) -> dict:
@@ -242,9 +243,9 @@ def run(cfg: DictConfig, run_dir: Path):
     """Build and fit; returns the trained :class:`~stepflow.grpo.GRPOModule`.
 
     The run directory is locked for the run (one run per directory); a resume (``ckpt_path``) must keep the
-    original run's settings (:data:`RESUMABLE` may change) and never rewrites its ``config.yaml``. SIGINT / SIGTERM
-    stop the run at the next phase boundary with last.ckpt holding the last finished iteration, and raise a
-    :class:`StepflowError` whose ``exit_code`` is 128 + the signal (a requeue-friendly failure for SLURM)."""
+    original run's settings (:data:`stepflow.rundir.RESUMABLE` may change) and never rewrites its ``config.yaml``.
+    SIGINT / SIGTERM stop the run at the next phase boundary with last.ckpt holding the last finished iteration, and
+    raise a :class:`StepflowError` whose ``exit_code`` is 128 + the signal (a requeue-friendly failure for SLURM)."""
     from lightning.pytorch.utilities.exceptions import SIGTERMException
     from torch.utils.data import DataLoader
 
@@ -278,10 +279,6 @@ def run(cfg: DictConfig, run_dir: Path):
         where = f"; resume: {resume_command(last)}" if last.is_file() else "; no iteration finished, nothing to resume"
         raise StepflowError(module.stop_reason + where, exit_code=stop.EXIT_CODES.get(module.stop_signal or "", 2))
     return module
-
-
-#: settings a resume may change: how long the run goes on, how it is evaluated, CPU threads, where it logs
-RESUMABLE = ("ckpt_path", "loop.iterations", "eval.", "torch_threads", "logger.", "trainer.devices", "trainer.num_nodes")
 
 
 def resolve_ckpt(ckpt, run_dir: Path) -> Path | None:

@@ -53,7 +53,7 @@ def test_a_window_rolls_out_with_the_ode_outside_and_trains_only_inside(tmp_path
 
 
 def test_window_config_errors_are_one_line():
-    from stepflow.cli import StepflowError
+    from stepflow.errors import StepflowError
     from stepflow.train import build_module
 
     with pytest.raises(StepflowError, match="window.*do not fit"):

@@ -9,7 +9,8 @@ import pytest
 import torch
 from conftest import compose_config
 
-from stepflow.coherence import mean_pairwise_cosine, signal_fraction, step_gradients
+from stepflow.algorithm import step_gradients
+from stepflow.coherence import mean_pairwise_cosine, signal_fraction
 
 
 def test_cosine_closed_forms():

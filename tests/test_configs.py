@@ -4,6 +4,8 @@ YAML files only override it, and a bad value is caught where the field is define
 from __future__ import annotations
 
 import dataclasses
+import importlib
+import re
 
 import pytest
 import yaml
@@ -11,8 +13,20 @@ from conftest import compose_config
 from omegaconf import OmegaConf
 
 from stepflow.advantage import AdvantageConfig
-from stepflow.cli import CONF_DIR, StepflowError
-from stepflow.config import EmaConfig, EvalConfig, LoopConfig, LoraConfig, RunConfig, TrainConfig, to_config
+from stepflow.cli import CONF_DIR
+from stepflow.config import (
+    EmaConfig,
+    EvalConfig,
+    EvaluateConfig,
+    LoopConfig,
+    LoraConfig,
+    PretrainConfig,
+    RunConfig,
+    ServeRewardConfig,
+    TrainConfig,
+    to_config,
+)
+from stepflow.errors import StepflowError
 from stepflow.sde import DEFAULT_LOGPROB, SamplerConfig
 from stepflow.window import WindowConfig
 
@@ -77,6 +91,130 @@ def test_the_composed_defaults_are_the_dataclass_defaults():
             want.pop("seed")
         assert got == want, name
     assert RunConfig().seed == 0
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# the other entry points (pretrain, evaluate, serve_reward): typed the same way
+# ------------------------------------------------------------------------------------------------------------------
+#: each entry point's schema and what its composition needs (serve_reward asks for a reward)
+ENTRY_POINTS = {"pretrain": (PretrainConfig, []), "evaluate": (EvaluateConfig, []),
+                "serve_reward": (ServeRewardConfig, ["reward=shapes_geneval"])}
+#: the _target_ nodes a config group chooses (the dataclass has no default for them to compare with)
+TARGET_NODES = ("model", "reward")
+
+
+def _settings(name: str, overrides=()):
+    """The entry point's own parse function (``stepflow.<name>.settings``) on its composed config."""
+    cls, needs = ENTRY_POINTS[name]
+    return importlib.import_module(f"stepflow.{name}").settings(compose_config(name, [*needs, *overrides]))
+
+
+@pytest.mark.parametrize("name", list(ENTRY_POINTS))
+def test_entry_point_yaml_composes_its_schema_and_repeats_no_default(name):
+    """conf/<name>.yaml composes <name>_schema first; any value it sets is a field whose default it changes."""
+    cls, _ = ENTRY_POINTS[name]
+    top = _yaml(CONF_DIR / f"{name}.yaml")
+    assert top.pop("defaults")[0] == f"{name}_schema"
+    assert top.pop("hydra")["callbacks"]["run_dir"]["_target_"] == "stepflow.rundir.RunDirCallback"
+
+    def walk(got: dict, want: dict, path: str) -> None:
+        for k, v in got.items():
+            assert k in want, f"{name}.yaml: {path}{k} is not a field of {cls.__name__}"
+            if isinstance(v, dict) and isinstance(want[k], dict):
+                walk(v, want[k], f"{path}{k}.")
+            else:
+                assert v != want[k], f"{name}.yaml: {path}{k}: {v!r} repeats the default of {cls.__name__}"
+
+    walk(top, dataclasses.asdict(cls()), "")
+
+
+@pytest.mark.parametrize("name", list(ENTRY_POINTS))
+def test_entry_point_composed_defaults_are_the_dataclass_defaults(name):
+    cls, needs = ENTRY_POINTS[name]
+    got = OmegaConf.to_container(compose_config(name, needs), resolve=True)
+    want = dataclasses.asdict(cls())
+    for key in TARGET_NODES:
+        if key in want:
+            assert want.pop(key) is None and "_target_" in got.pop(key), key
+    assert got == want
+    typed = _settings(name)  # the entry point reads them as its typed config, every check passing
+    assert isinstance(typed, cls)
+    assert dataclasses.replace(typed, **{k: None for k in TARGET_NODES if hasattr(typed, k)}) == cls()
+
+
+#: (entry point, override, the field its one-line error names)
+BAD_VALUES = [
+    ("pretrain", "seed=-1", "seed"), ("pretrain", "torch_threads=0", "torch_threads"),
+    ("pretrain", "arch.num_layers=0", "arch.num_layers"), ("pretrain", "arch.image_size=30", "arch.image_size"),
+    ("pretrain", "arch.qk_norm=batch_norm", "arch.qk_norm"), ("pretrain", "arch.prediction=eps", "arch.prediction"),
+    ("pretrain", "arch.t_eps=0", "arch.t_eps"),
+    ("pretrain", "data.batch_size=0", "data.batch_size"), ("pretrain", "data.categories=[circles]", "data.categories"),
+    ("pretrain", "data.categories=[]", "data.categories"),
+    ("pretrain", "data.empty_prompt_prob=1.5", "data.empty_prompt_prob"),
+    ("pretrain", "data.num_workers=-1", "data.num_workers"),
+    ("pretrain", "objective.t_sampling=cosine", "objective.t_sampling"),
+    ("pretrain", "objective.logit_std=0", "objective.logit_std"),
+    ("pretrain", "optim.lr=0", "optim.lr"), ("pretrain", "optim.betas=[0.9,1.0]", "optim.betas"),
+    ("pretrain", "optim.betas=[0.9]", "optim.betas"), ("pretrain", "optim.weight_decay=-0.1", "optim.weight_decay"),
+    ("pretrain", "optim.warmup_steps=-1", "optim.warmup_steps"),
+    ("pretrain", "optim.min_lr_ratio=2", "optim.min_lr_ratio"),
+    ("pretrain", "optim.grad_clip=-1", "optim.grad_clip"), ("pretrain", "ema.decay=1.0", "ema.decay"),
+    ("pretrain", "trainer.max_steps=0", "trainer.max_steps"),
+    ("pretrain", "trainer.max_time=42min", "trainer.max_time"),
+    ("pretrain", "trainer.log_every_n_steps=0", "trainer.log_every_n_steps"),
+    ("pretrain", "trainer.checkpoint_every_n_steps=0", "trainer.checkpoint_every_n_steps"),
+    ("pretrain", "trainer.progress_refresh=0", "trainer.progress_refresh"),
+    ("pretrain", "eval.every_n_steps=-1", "eval.every_n_steps"), ("pretrain", "eval.split=test", "eval.split"),
+    ("pretrain", "eval.max_prompts=0", "eval.max_prompts"), ("pretrain", "eval.num_steps=0", "eval.num_steps"),
+    ("pretrain", "eval.guidance=0.5", "eval.guidance"), ("pretrain", "eval.seed=-1", "eval.seed"),
+    ("pretrain", "eval.grid_per_category=0", "eval.grid_per_category"),
+    ("pretrain", "select.target=1.5", "select.target"), ("pretrain", "select.low=0.8", "select.low"),
+    ("pretrain", "select.high=-0.1", "select.high"), ("pretrain", "select.min_category=1", "select.min_category"),
+    ("pretrain", "select.tolerance=-0.1", "select.tolerance"),
+    ("pretrain", "select.rescore_top_k=0", "select.rescore_top_k"),
+    ("pretrain", "select.rescore_margin=-1", "select.rescore_margin"),
+    ("pretrain", "select.rescore_max_prompts=0", "select.rescore_max_prompts"),
+    ("evaluate", "seed=-1", "seed"), ("evaluate", "num_per_prompt=0", "num_per_prompt"),
+    ("evaluate", "max_prompts=0", "max_prompts"), ("evaluate", "batch_size=0", "batch_size"),
+    ("evaluate", "torch_threads=0", "torch_threads"), ("evaluate", "sampler.num_steps=0", "sampler.num_steps"),
+    ("evaluate", "sampler.guidance=0.5", "sampler.guidance"), ("evaluate", "grid.per_category=-1", "grid.per_category"),
+    ("evaluate", "grid.ncol=0", "grid.ncol"),
+    ("serve_reward", "max_body_mb=0", "max_body_mb"), ("serve_reward", "max_images=0", "max_images"),
+    ("serve_reward", "max_images=2.5", "max_images"), ("serve_reward", "max_image_pixels=-1", "max_image_pixels"),
+    ("serve_reward", "max_request_pixels=0", "max_request_pixels"),
+    ("serve_reward", "decode_workers=0", "decode_workers"),
+    ("serve_reward", "max_inflight=-1", "max_inflight"), ("serve_reward", "read_timeout_s=0", "read_timeout_s"),
+    ("serve_reward", "port=70000", "port"), ("serve_reward", "port=-1", "port"), ("serve_reward", "host=''", "host"),
+]
+
+
+@pytest.mark.parametrize("name,override,field", BAD_VALUES, ids=[f"{n}:{o}" for n, o, _ in BAD_VALUES])
+def test_a_bad_value_of_an_entry_point_names_its_field(name, override, field):
+    with pytest.raises(StepflowError, match=rf"^{re.escape(field)}: "):
+        _settings(name, [override])
+
+
+@pytest.mark.parametrize("name,override,field", [
+    ("pretrain", "optim.lr=inf", "optim.lr"), ("pretrain", "select.tolerance=inf", "select.tolerance"),
+    ("evaluate", "sampler.guidance=inf", "sampler.guidance"),
+    ("serve_reward", "max_body_mb=inf", "max_body_mb"),
+])
+def test_the_dataclass_checks_refuse_non_finite_values_on_their_own(name, override, field):
+    """inf passes a one-sided bound (lr > 0): the dataclasses refuse it themselves, without cli.check_finite."""
+    cls, needs = ENTRY_POINTS[name]
+    node = compose_config(name, [*needs, override])
+    with pytest.raises(StepflowError, match=rf"^{re.escape(field)}: must be .*, got inf"):
+        to_config(node, cls)
+
+
+def test_a_count_that_is_no_number_is_one_line(capsys):
+    """serve_reward's counts take an integral float (max_images=4.0), so their schema type is int | float: a string is
+    refused at composition, in one line naming the field."""
+    from stepflow.cli import check_keys
+
+    with pytest.raises(SystemExit):
+        check_keys(["reward=shapes_geneval", "max_images=abc"], "serve_reward")
+    assert "stepflow: error: max_images: 'abc' is not a number; give max_images=<number>" in capsys.readouterr().err
 
 
 def test_models_hold_constructor_arguments_only():

@@ -6,7 +6,8 @@ import collections
 
 import pytest
 
-from stepflow.data import GroupSampler, PromptFileError, balance_records, load_prompt_file
+from stepflow.data import GroupSampler, balance_records, load_prompt_file
+from stepflow.errors import PromptFileError
 from stepflow.shapes import prompt_file
 
 

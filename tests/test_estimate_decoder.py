@@ -16,8 +16,8 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_estimates_use_the_tiny_decoder_and_the_final_image_the_vae(tmp_path, monkeypatch):
     from diffusers import AutoencoderTiny
 
-    from stepflow.policies.tiny import tiny_taesd_dir
     from stepflow.rollout import estimate_states, rollout, score
+    from stepflow.testing.tiny_policies import tiny_taesd_dir
     from stepflow.train import build_module
 
     monkeypatch.setenv("STEPFLOW_CACHE", str(tmp_path / "cache"))
@@ -43,7 +43,7 @@ def test_estimates_use_the_tiny_decoder_and_the_final_image_the_vae(tmp_path, mo
 
 
 def test_a_missing_estimate_vae_is_one_line(tmp_path, monkeypatch):
-    from stepflow.cli import StepflowError
+    from stepflow.errors import StepflowError
     from stepflow.train import build_module
 
     monkeypatch.setenv("STEPFLOW_CACHE", str(tmp_path / "cache"))

@@ -6,7 +6,8 @@ import pytest
 import torch
 from conftest import compose_config
 
-from stepflow.evaluation import balanced_subset, read_lora, sample_ode, save_grid
+from stepflow.evaluation import balanced_subset, sample_ode, save_grid
+from stepflow.policies.base import read_lora
 from stepflow.policies.shapes import ShapesPolicy
 
 TINY = dict(num_layers=2, num_attention_heads=2, attention_head_dim=8, text_dim=16, text_layers=1, text_heads=2,

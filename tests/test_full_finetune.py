@@ -14,7 +14,7 @@ from test_rewards_clip import tiny_clip_dir  # noqa: F401 - fixture: a tiny CLIP
 
 pytest.importorskip("diffusers")
 
-from stepflow.policies.tiny import TINY_HEIGHT, save_tiny_flux, save_tiny_qwen_image, save_tiny_sd3  # noqa: E402
+from stepflow.testing.tiny_policies import TINY_HEIGHT, save_tiny_flux, save_tiny_qwen_image, save_tiny_sd3  # noqa: E402
 
 PROMPTS = ["a photo of a cat", "a red dog on the square"]
 H = TINY_HEIGHT
@@ -203,7 +203,7 @@ def test_save_trained_writes_a_given_state_dict(dirs, tmp_path):
 
 
 def test_missing_transformer_path_is_one_line_error(dirs, tmp_path):
-    from stepflow.policies.pipeline import ModelLoadError
+    from stepflow.errors import ModelLoadError
 
     with pytest.raises(ModelLoadError, match="has no config.json .*save_trained") as info:
         _load("flux", dirs["flux"], transformer_path=str(tmp_path))

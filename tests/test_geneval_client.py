@@ -23,7 +23,7 @@ import pytest
 import torch
 from PIL import Image
 
-from stepflow.rewards.errors import MalformedReplyError, RewardServiceError
+from stepflow.errors import MalformedReplyError, RewardServiceError
 
 LEVELS = [0, 64, 128, 191, 255]  # grey levels -> partial credit 0, .25, .5, .75, 1 (survives JPEG)
 TAGS = ["single_object", "two_object", "counting", "colors", "position", "color_attr"]

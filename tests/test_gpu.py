@@ -6,7 +6,7 @@ The sharded strategies' correctness (equal to DDP, global metrics, resume, multi
 (``tests/test_sharded.py``: ``trainer=fsdp_cpu`` / ``deepspeed_cpu`` on 2 gloo processes); these runs check what
 only a GPU shows (NCCL, bf16 mixed precision, memory) through the entry point a user runs
 (``python -m stepflow.train``). The full-size tests at the end
-build the published architectures with random weights (``stepflow.policies.random_full``, ``model=*_random``): one
+build the published architectures with random weights (``stepflow.testing.random_policies``, ``model=*_random``): one
 gain iteration of each model through ``experiments/gpu_check.py``, and the strategies x {LoRA, full} on SD3.5-Medium
 (they need ~40 GB for Qwen-Image's LoRA; an 80 GB GPU holds every one of them).
 """
@@ -40,7 +40,7 @@ def test_one_iteration_of_tiny_sd3_in_bf16(tmp_path, strategy):
 
 
 # ------------------------------------------------------------------------------------------------------------------
-# full size, random weights (stepflow.policies.random_full): what experiments/gpu_check.sh runs, as tests
+# full size, random weights (stepflow.testing.random_policies): what experiments/gpu_check.sh runs, as tests
 # ------------------------------------------------------------------------------------------------------------------
 FULL_RUNS = [("sd35_medium", "lora"), ("sd35_medium", "full"), ("sd35_large", "lora"), ("flux_dev", "lora"),
              ("qwen_image", "lora")]
@@ -75,8 +75,8 @@ def test_one_iteration_of_full_size_sd35_medium_random(tmp_path, strategy, finet
     extra = ["model.save_weights=false", "callbacks.checkpoint=null", "train.lr=1e-5"] if finetune == "full" else []
     r = run_cli("stepflow.train", "model=sd35_medium_random", f"trainer={strategy}", "trainer.devices=1",
                 f"model.finetune={finetune}", *extra, "~reward=shapes_geneval",
-                "+reward._target_=stepflow.policies.random_full.StandInReward",
-                "+callbacks.memory._target_=stepflow.policies.random_full.peak_memory_callback",
+                "+reward._target_=stepflow.testing.random_policies.StandInReward",
+                "+callbacks.memory._target_=stepflow.testing.random_policies.peak_memory_callback",
                 "loop.iterations=1", "loop.prompts_per_iter=1", "loop.group_size=4", "loop.num_steps=4",
                 "loop.substeps=2", "train.micro_batch_size=4", "train.beta_kl=0.04", "advantage=gain",
                 "sampler=flow_sde", "eval.max_prompts=2", "eval.num_steps=2", "eval.batch_size=2",

@@ -1,5 +1,5 @@
 """The prepared GPU check, on the CPU: ``experiments/gpu_check.py --tiny`` for every model family and both fine-tuning
-modes, the random builders of ``stepflow.policies.random_full`` (tiny: the family's classes and text shapes; full size
+modes, the random builders of ``stepflow.testing.random_policies`` (tiny: the family's classes and text shapes; full size
 on the meta device: the published architectures, without memory), the ``model=*_random`` configs through the training
 CLI, the memory estimate, and ``experiments/gpu_check.sh``'s dry run (``GPU_CHECK_TINY=1``)."""
 
@@ -16,7 +16,7 @@ import pytest
 import torch
 from conftest import ROOT, compose_config, run_cli
 
-from stepflow.policies import random_full as rf
+from stepflow.testing import random_policies as rf
 
 FAMILY_POLICY = {"sd35_medium": "SD3Policy", "sd35_large": "SD3Policy", "flux_dev": "FluxPolicy",
                  "qwen_image": "QwenImagePolicy"}
@@ -218,8 +218,8 @@ def test_random_config_trains_one_iteration_through_the_cli(tmp_path, name, fine
     """The strategies matrix's command line (gpu_check.sh) at tiny size on the CPU: stand-in reward, memory.csv."""
     extra = ["model.save_weights=false", "callbacks.checkpoint=null"] if finetune == "full" else []
     r = run_cli("stepflow.train", f"model={name}", *TINY_OVERRIDES, f"model.finetune={finetune}", *extra,
-                "~reward=shapes_geneval", "+reward._target_=stepflow.policies.random_full.StandInReward",
-                "+callbacks.memory._target_=stepflow.policies.random_full.peak_memory_callback",
+                "~reward=shapes_geneval", "+reward._target_=stepflow.testing.random_policies.StandInReward",
+                "+callbacks.memory._target_=stepflow.testing.random_policies.peak_memory_callback",
                 "loop.iterations=1", "loop.prompts_per_iter=1", "loop.group_size=4", "loop.num_steps=3",
                 "loop.substeps=1", "train.micro_batch_size=4", "train.beta_kl=0.04", "advantage=gain",
                 "sampler=flow_sde", "eval.max_prompts=2", "eval.num_steps=2", "eval.grid_prompts=2",

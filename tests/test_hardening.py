@@ -23,7 +23,7 @@ import pytest
 import torch
 from conftest import ROOT, compose_config, run_cli
 
-from stepflow.cli import StepflowError
+from stepflow.errors import StepflowError
 
 
 def _one_line_error(r: subprocess.CompletedProcess, needle: str) -> str:

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import json
 import math
-import re
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -20,7 +20,8 @@ import torch
 from conftest import compose_config, run_cli
 from omegaconf import OmegaConf
 
-from stepflow.cli import StepflowError, check_finite, first_non_finite
+from stepflow.cli import check_finite, first_non_finite
+from stepflow.errors import StepflowError
 
 
 def _settings(*overrides: str):
@@ -191,7 +192,8 @@ def test_a_refused_second_run_leaves_the_running_runs_record_untouched(tmp_path)
 
 # ------------------------------------------------------------------------------------------------ non-finite update
 def test_a_non_finite_gradient_is_never_stepped_into_the_weights():
-    from stepflow.algorithm import NonFiniteUpdate, clip_and_step
+    from stepflow.algorithm import clip_and_step
+    from stepflow.errors import NonFiniteUpdate
 
     w = torch.nn.Parameter(torch.ones(3))
     lr = SimpleNamespace(dist=SimpleNamespace(engine=None), optimizer=torch.optim.SGD([w], lr=0.1), opt_steps=4)
@@ -209,7 +211,7 @@ def test_a_run_whose_loss_turns_non_finite_stops_before_saving_it(tmp_path, monk
     """From the second optimizer step on the loss is NaN (as an fp16 overflow makes it): the run stops with one line,
     last.ckpt holds the last finished iteration with finite weights, and no adapter is written."""
     import stepflow.algorithm as algorithm
-    from stepflow.algorithm import NonFiniteUpdate
+    from stepflow.errors import NonFiniteUpdate
     from stepflow.train import run
 
     real = algorithm.step_loss

@@ -17,7 +17,8 @@ import yaml
 from conftest import ROOT, compose_config, run_cli
 from test_hardening import _evil, _one_line_error
 
-from stepflow.cli import CONF_DIR, StepflowError
+from stepflow.cli import CONF_DIR
+from stepflow.errors import StepflowError
 
 
 # ------------------------------------------------------------------------------------------------ checkpoints
@@ -67,7 +68,7 @@ def test_a_crafted_pickle_is_still_refused_without_running_code(tmp_path):
 
 
 def test_a_reward_checkpoint_of_random_bytes_is_not_called_code(tmp_path):
-    from stepflow.rewards.errors import RewardLoadError
+    from stepflow.errors import RewardLoadError
     from stepflow.rewards.loading import load_state_dict
 
     path = tmp_path / "HPS_v2.1_compressed.pt"
@@ -144,7 +145,8 @@ def test_a_checkpoint_without_state_or_stepflow_entry_is_one_line():
     ("p.json", b'[{"prompt": "a"}]', r"data.eval_file: .*p.json is a .json file; stepflow reads .jsonl"),
 ], ids=["latin1_txt", "bad_byte_jsonl", "not_json", "no_prompt", "prompt_not_str", "json_list", "empty", "json"])
 def test_a_bad_prompt_file_names_its_field_and_where(tmp_path, name, data, needle):
-    from stepflow.data import PromptFileError, load_prompt_file
+    from stepflow.data import load_prompt_file
+    from stepflow.errors import PromptFileError
 
     (tmp_path / name).write_bytes(data)
     with pytest.raises(PromptFileError, match=needle) as info:
@@ -153,7 +155,8 @@ def test_a_bad_prompt_file_names_its_field_and_where(tmp_path, name, data, needl
 
 
 def test_a_prompt_file_with_a_byte_order_mark_or_crlf_reads(tmp_path):
-    from stepflow.data import PromptFileError, load_prompt_file
+    from stepflow.data import load_prompt_file
+    from stepflow.errors import PromptFileError
 
     (tmp_path / "p.jsonl").write_bytes(b'\xef\xbb\xbf{"prompt": "a cat"}\r\n{"prompt": "a dog", "tag": "x"}\r\n')
     assert load_prompt_file(tmp_path / "p.jsonl") == [{"prompt": "a cat"}, {"prompt": "a dog", "tag": "x"}]
@@ -191,7 +194,7 @@ def test_bad_numeric_arguments_are_refused_before_anything_loads(policy, kwargs,
 
 @pytest.mark.parametrize("width,needle", [(100, "got 100; use 96 or 112"), (8, "got 8; use 16")])
 def test_a_size_the_model_cannot_take_names_the_nearest_valid_ones(width, needle):
-    from stepflow.policies.tiny import tiny_sd3_policy
+    from stepflow.testing.tiny_policies import tiny_sd3_policy
 
     with pytest.raises(StepflowError, match=r"^model.width: must be a positive multiple of 16 for this model \(VAE "
                                             rf"scale 8 x patch 2\), {needle}$"):
@@ -200,7 +203,7 @@ def test_a_size_the_model_cannot_take_names_the_nearest_valid_ones(width, needle
 
 @pytest.mark.parametrize("model", ["flux_dev", "qwen_image", "sd35_large"])
 def test_random_policies_check_their_size_before_building(model):
-    from stepflow.policies.random_full import random_policy
+    from stepflow.testing.random_policies import random_policy
 
     with pytest.raises(StepflowError, match=r"^model.height: must be a positive multiple of 16 .*got 40; use 32 or 48"):
         random_policy(model, tiny=True, device="meta", height=40)
@@ -221,7 +224,7 @@ def test_shapes_policy_arguments_are_checked():
 
 def test_a_lora_of_random_bytes_names_its_field(tmp_path):
     from stepflow.policies.shapes import ShapesPolicy
-    from stepflow.policies.tiny import tiny_sd3_policy
+    from stepflow.testing.tiny_policies import tiny_sd3_policy
 
     (tmp_path / "lora").mkdir()
     (tmp_path / "lora" / "pytorch_lora_weights.safetensors").write_bytes(b"\x00\x01 random bytes" * 50)
@@ -235,7 +238,7 @@ def test_a_lora_of_random_bytes_names_its_field(tmp_path):
 @pytest.fixture(scope="module")
 def sd3_copy(tmp_path_factory):
     """A writable copy of the tiny SD3 pipeline folder (its JSON files get damaged)."""
-    from stepflow.policies.tiny import tiny_sd3_dir
+    from stepflow.testing.tiny_policies import tiny_sd3_dir
 
     dst = tmp_path_factory.mktemp("sd3") / "pipe"
     shutil.copytree(tiny_sd3_dir(), dst)
@@ -244,7 +247,7 @@ def sd3_copy(tmp_path_factory):
 
 @pytest.mark.parametrize("file", ["model_index.json", "transformer/config.json", "scheduler/scheduler_config.json"])
 def test_a_damaged_config_json_in_model_path_is_one_line(sd3_copy, tmp_path, file):
-    from stepflow.policies.pipeline import ModelLoadError
+    from stepflow.errors import ModelLoadError
     from stepflow.policies.sd3 import SD3Policy
 
     pipe = tmp_path / "pipe"
@@ -256,7 +259,7 @@ def test_a_damaged_config_json_in_model_path_is_one_line(sd3_copy, tmp_path, fil
 
 
 def test_a_damaged_config_json_in_transformer_path_is_one_line(sd3_copy, tmp_path):
-    from stepflow.policies.pipeline import ModelLoadError
+    from stepflow.errors import ModelLoadError
     from stepflow.policies.sd3 import SD3Policy
 
     tr = tmp_path / "transformer"
@@ -339,7 +342,7 @@ def test_check_estimate_decoder_bad_inputs_are_one_line(argv, needle, capsys):
 
 def test_check_estimate_decoder_takes_model_estimate_vae_without_a_plus(tmp_path):
     """The docstring's real command shape (``model.estimate_vae=...``, no ``+``) on a tiny model: no traceback."""
-    from stepflow.policies.tiny import tiny_taesd_dir
+    from stepflow.testing.tiny_policies import tiny_taesd_dir
 
     mod = _check_estimate_decoder()
     res = mod.main(["--batches", "1", "--json", str(tmp_path / "out" / "res.json"), "experiment=smoke",

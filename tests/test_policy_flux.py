@@ -16,10 +16,10 @@ from omegaconf import OmegaConf
 
 pytest.importorskip("diffusers")
 
+from stepflow.errors import ModelLoadError  # noqa: E402
 from stepflow.policies.base import Cond  # noqa: E402
 from stepflow.policies.flux import FluxPolicy, flux_mu, pack_latents, unpack_latents  # noqa: E402
-from stepflow.policies.pipeline import ModelLoadError  # noqa: E402
-from stepflow.policies.tiny import TINY_HEIGHT, save_tiny_flux, tiny_flux_policy  # noqa: E402
+from stepflow.testing.tiny_policies import TINY_HEIGHT, save_tiny_flux, tiny_flux_policy  # noqa: E402
 
 PROMPTS = ["a photo of a cat", "a red dog on the square"]
 SEQ = 32  # T5 tokens

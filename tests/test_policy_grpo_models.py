@@ -41,7 +41,7 @@ def run_one_iteration(run_dir, *overrides):
 def test_one_grpo_iteration(tmp_path, tiny_clip_dir, model, advantage, monkeypatch):  # noqa: F811
     import diffusers
 
-    from stepflow.policies import tiny
+    from stepflow.testing import tiny_policies as tiny
 
     monkeypatch.setenv("STEPFLOW_CACHE", str(tmp_path / "cache"))
     cfg_scale, pipeline_name = MODELS[model]

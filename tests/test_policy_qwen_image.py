@@ -16,11 +16,11 @@ from omegaconf import OmegaConf
 
 pytest.importorskip("diffusers")
 
+from stepflow.errors import ModelLoadError  # noqa: E402
 from stepflow.policies.base import Cond  # noqa: E402
 from stepflow.policies.flux import pack_latents, unpack_latents  # noqa: E402
-from stepflow.policies.pipeline import ModelLoadError  # noqa: E402
 from stepflow.policies.qwen_image import LORA_TARGETS_QWEN_IMAGE, QwenImagePolicy  # noqa: E402
-from stepflow.policies.tiny import TINY_HEIGHT, make_qwen_tokenizer, save_tiny_qwen_image  # noqa: E402
+from stepflow.testing.tiny_policies import TINY_HEIGHT, make_qwen_tokenizer, save_tiny_qwen_image  # noqa: E402
 
 PROMPTS = ["a photo of a cat", "a red dog on the square"]  # different lengths: the batch needs a mask
 H = TINY_HEIGHT

@@ -12,9 +12,10 @@ import torch
 
 pytest.importorskip("diffusers")
 
+from stepflow.errors import ModelLoadError  # noqa: E402
 from stepflow.policies.base import Cond  # noqa: E402
-from stepflow.policies.sd3 import ModelLoadError, SD3Policy  # noqa: E402
-from stepflow.policies.tiny import TINY_HEIGHT, save_tiny_sd3, tiny_sd3_policy  # noqa: E402
+from stepflow.policies.sd3 import SD3Policy  # noqa: E402
+from stepflow.testing.tiny_policies import TINY_HEIGHT, save_tiny_sd3, tiny_sd3_policy  # noqa: E402
 
 PROMPTS = ["a photo of a cat", "a red dog on the square"]
 SEQ = 16  # T5 tokens: token states are 77 + 16 long

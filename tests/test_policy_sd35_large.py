@@ -9,7 +9,7 @@ import torch
 pytest.importorskip("diffusers")
 
 from stepflow.policies.sd3 import SD3Policy  # noqa: E402
-from stepflow.policies.tiny import TINY_HEIGHT, save_tiny_sd3  # noqa: E402
+from stepflow.testing.tiny_policies import TINY_HEIGHT, save_tiny_sd3  # noqa: E402
 
 PROMPTS = ["a photo of a cat", "a red dog on the square"]
 SEQ = 16
@@ -102,7 +102,7 @@ def test_tiny_large_config_builds_into_cache_and_trains_lora(tmp_path, monkeypat
 def test_bad_path_names_the_large_repo_and_the_licence():
     import os
 
-    from stepflow.policies.pipeline import ModelLoadError
+    from stepflow.errors import ModelLoadError
 
     os.environ["HF_HUB_OFFLINE"] = "1"
     with pytest.raises(ModelLoadError) as info:

@@ -8,20 +8,20 @@ import pytest
 import torch
 import torch.nn as nn
 
-from stepflow.rewards.errors import RewardLoadError
+from stepflow.errors import RewardLoadError
 
 PROMPTS = ["a photo of a cat", "a red cube on a table", "two dogs", "an astronaut riding a horse"]
 
 
 def _clip_tokenizer():
-    from stepflow.rewards.tiny import clip_tokenizer
+    from stepflow.testing.tiny_rewards import clip_tokenizer
 
     return clip_tokenizer()
 
 
 @pytest.fixture(scope="module")
 def tiny_clip_dir(tmp_path_factory):
-    from stepflow.rewards.tiny import build_tiny_clip
+    from stepflow.testing.tiny_rewards import build_tiny_clip
 
     return str(build_tiny_clip(tmp_path_factory.mktemp("tiny_clip"), seed=0))
 

@@ -13,7 +13,7 @@ import zipfile
 import pytest
 import torch
 
-from stepflow.rewards.errors import RewardLoadError
+from stepflow.errors import RewardLoadError
 
 ARCH = "stepflow-test-tiny-hps"
 TINY = {"embed_dim": 16,

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from PIL import Image
 
-from stepflow.rewards.errors import RewardLoadError
+from stepflow.errors import RewardLoadError
 
 MEAN, STD = 0.16717362830052426, 1.0333394966054072
 WORDS = ["a", "photo", "of", "cat", "dog", "red", "cube", "on", "the", "table", "two", "##s", "sign", "open"]

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from stepflow.rewards.errors import RewardLoadError
+from stepflow.errors import RewardLoadError
 from stepflow.rewards.ocr import OCRReward, levenshtein, ocr_reward, quoted_target
 
 

@@ -19,8 +19,8 @@ import pytest
 import torch
 from PIL import Image
 
+from stepflow.errors import MalformedReplyError, RewardServiceError
 from stepflow.rewards.base import Reward, RewardOut
-from stepflow.rewards.errors import MalformedReplyError, RewardServiceError
 from stepflow.rewards.loading import to_uint8
 
 
@@ -346,7 +346,7 @@ def _stoppable(url, **kw):
 
 def test_remote_stop_interrupts_a_hanging_request(stop_flag):
     """The server takes 6 s; a stop requested after 0.3 s raises StopRequested within about a second."""
-    from stepflow.stop import StopRequested
+    from stepflow.errors import StopRequested
 
     with FakeServer(lambda *a: (200, {"scores": [0.5]}, 6.0)) as srv:
         stop_flag(0.3)
@@ -358,7 +358,7 @@ def test_remote_stop_interrupts_a_hanging_request(stop_flag):
 
 def test_remote_stop_interrupts_the_backoff(stop_flag):
     """A 503 then a 5 s back-off: the stop (after 0.3 s) ends the wait, no second attempt is made."""
-    from stepflow.stop import StopRequested
+    from stepflow.errors import StopRequested
 
     with FakeServer(lambda *a: (503, {"error": "warming up"}, 0.0)) as srv:
         stop_flag(0.3)
@@ -371,7 +371,7 @@ def test_remote_stop_interrupts_the_backoff(stop_flag):
 
 def test_remote_stop_already_requested_sends_nothing(stop_flag):
     from stepflow import stop
-    from stepflow.stop import StopRequested
+    from stepflow.errors import StopRequested
 
     stop.request("test")
     with FakeServer(_mean_reply) as srv:
@@ -459,7 +459,7 @@ def test_remote_failure_does_not_wait_for_other_requests():
 
 def test_unifiedreward_stop_and_progress(stop_flag, caplog):
     """The chat client: progress 'k/n images done' while a judge call is slow, and a stop interrupts it."""
-    from stepflow.stop import StopRequested
+    from stepflow.errors import StopRequested
 
     def judge(n, path, headers, body):
         caption = body["messages"][0]["content"][1]["text"].rsplit("[", 1)[1].rstrip("]")
@@ -481,8 +481,8 @@ def test_unifiedreward_stop_and_progress(stop_flag, caplog):
 
 
 def test_unifiedreward_backoff_is_interruptible(stop_flag):
+    from stepflow.errors import StopRequested
     from stepflow.rewards.unifiedreward import UnifiedReward
-    from stepflow.stop import StopRequested
 
     with FakeServer(lambda *a: (502, {}, 0.0)) as srv:
         r = UnifiedReward(base_url=srv.url, image_size=16, timeout_s=30, max_retries=3, backoff_s=5.0)
@@ -511,7 +511,8 @@ def test_unifiedreward_backoff_is_interruptible(stop_flag):
     (None, "must be an http(s) URL"),
 ])
 def test_remote_malformed_url_is_one_line_when_built(url, needle, capsys):
-    from stepflow.cli import StepflowError, report
+    from stepflow.cli import report
+    from stepflow.errors import StepflowError
     from stepflow.rewards.registry import build_reward
 
     with pytest.raises(StepflowError) as ei:
@@ -541,7 +542,7 @@ def test_remote_good_urls_are_accepted(url):
     ("headers", "Bearer x"), ("headers", {"Authorization": "a\r\nX-Evil: 1"}), ("headers", {"Bad Name": "x"}),
 ])
 def test_remote_bad_setting_is_one_line_naming_it(field, value):
-    from stepflow.cli import StepflowError
+    from stepflow.errors import StepflowError
     from stepflow.rewards.registry import build_reward
 
     with pytest.raises(StepflowError) as ei:

@@ -25,7 +25,7 @@ import torch
 from conftest import run_cli
 from PIL import Image, ImageFile
 
-from stepflow.cli import StepflowError
+from stepflow.errors import StepflowError
 from stepflow.rewards.base import Reward, RewardOut
 from stepflow.rewards.loading import to_uint8
 

@@ -173,7 +173,7 @@ def test_reward_service_failure_stops_cleanly_and_resumes(tmp_path):
     """A remote reward that keeps failing stops the run with a one-line error and a usable last.ckpt."""
     import threading
 
-    from stepflow.cli import StepflowError
+    from stepflow.errors import StepflowError
     from stepflow.rewards.shapes_geneval import ShapesGenEvalReward
     from stepflow.serve_reward import make_server
 

@@ -31,7 +31,7 @@ def test_one_iteration_sd3_tiny_with_tiny_pickscore(tmp_path, tiny_clip_dir, adv
     # the adapter loads into diffusers' own pipeline
     from diffusers import StableDiffusion3Pipeline
 
-    from stepflow.policies.tiny import tiny_sd3_dir
+    from stepflow.testing.tiny_policies import tiny_sd3_dir
 
     pipe = StableDiffusion3Pipeline.from_pretrained(str(tiny_sd3_dir(0)))
     pipe.load_lora_weights(str(lora.parent))

@@ -20,13 +20,17 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import json
 import math
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, fields
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import Tensor, nn
+
+from stepflow.errors import StepflowError
 
 # The attention projections that LoRA adapts in SD3 / SD3.5 (image stream and the joint context stream).
 LORA_TARGETS_SD3: tuple[str, ...] = (
@@ -143,9 +147,7 @@ class TimeInputs:
 
 
 def _user_error(msg: str) -> ValueError:
-    """The one-line error of a bad argument (a :class:`stepflow.cli.StepflowError`, a ``ValueError``)."""
-    from stepflow.cli import StepflowError
-
+    """The one-line error of a bad argument (a :class:`stepflow.errors.StepflowError`, a ``ValueError``)."""
     return StepflowError(msg)
 
 
@@ -212,6 +214,57 @@ def lora_load_error(field: str, directory, err: BaseException) -> str:
     why = why if len(why) <= 200 else why[:197] + "..."
     return (f"{field}: cannot load a LoRA from '{directory}' ({type(err).__name__}: {why}); point {field} at a LoRA "
             f"saved for this model (a run's <run>/lora folder, or its pytorch_lora_weights.safetensors)")
+
+
+_LORA_FILES = ("pytorch_lora_weights.safetensors", "adapter_model.safetensors")
+
+
+def read_lora(path: str | Path) -> tuple[dict[str, Tensor], dict[str, Any]]:
+    """Read a LoRA saved by peft (``adapter_model.safetensors`` + ``adapter_config.json``), by diffusers'
+    ``save_lora_weights`` (``pytorch_lora_weights.safetensors``, keys prefixed ``transformer.``) or a bare
+    safetensors file of peft-format keys. Returns ``(state, info)``: ``state`` in peft's key format
+    (``transformer_blocks.0.attn.to_q.lora_A.weight``) and ``info`` = ``{"rank", "alpha", "targets"}`` (the adapted
+    modules' full names, e.g. ``transformer_blocks.0.attn.to_q``).
+    """
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    path = Path(path)
+    if path.is_dir():
+        files = [path / f for f in _LORA_FILES if (path / f).is_file()] or sorted(path.glob("*.safetensors"))
+        if not files:
+            raise FileNotFoundError(f"lora_path: no LoRA safetensors file in {path}")
+        file = files[0]
+    elif path.is_file():
+        file = path
+    else:
+        raise FileNotFoundError(f"lora_path: {path} does not exist")
+    raw = load_file(str(file))
+    with safe_open(str(file), framework="pt") as f:
+        meta = f.metadata() or {}
+    state = {}
+    for k, v in raw.items():
+        for pre in ("base_model.model.", "transformer."):
+            if k.startswith(pre):
+                k = k[len(pre):]
+        k = k.replace(".lora_A.default.", ".lora_A.").replace(".lora_B.default.", ".lora_B.")
+        state[k] = v
+    a_keys = [k for k in state if ".lora_A." in k]
+    if not a_keys:
+        raise ValueError(f"lora_path: {file} holds no lora_A/lora_B weights")
+    rank = int(state[a_keys[0]].shape[0])
+    targets = sorted({k.split(".lora_A.")[0] for k in a_keys})  # the adapted modules' full names
+    alpha: float | None = None
+    cfg_file = file.parent / "adapter_config.json"
+    if cfg_file.is_file():
+        alpha = float(json.loads(cfg_file.read_text()).get("lora_alpha", rank))
+    elif "lora_adapter_metadata" in meta:  # diffusers >= 0.34 stores the LoraConfig in the metadata
+        md = json.loads(meta["lora_adapter_metadata"])
+        md = md.get("transformer", md) if isinstance(md, dict) else {}
+        alpha = float(md.get("lora_alpha", rank))
+    elif "lora_alpha" in meta:
+        alpha = float(meta["lora_alpha"])
+    return state, {"rank": rank, "alpha": float(alpha if alpha is not None else rank), "targets": targets}
 
 
 def check_time_grid(grid: Tensor, what: str = "time_grid") -> Tensor:
@@ -415,11 +468,9 @@ class FlowPolicy(nn.Module):
 
     def load_lora(self, directory, field: str = "lora_path") -> None:
         """Add a LoRA adapter and load it from ``directory`` (a diffusers ``save_lora_weights`` folder, a peft adapter
-        folder or a ``.safetensors`` file; :func:`stepflow.evaluation.read_lora`), on exactly the modules it adapts.
+        folder or a ``.safetensors`` file; :func:`read_lora`), on exactly the modules it adapts.
         Pipeline policies load through their pipeline's own ``load_lora_weights``. A file that is not a LoRA of
         this model (random bytes, another model's) is one line naming ``field``."""
-        from stepflow.evaluation import read_lora
-
         if self.finetune == "full":
             raise _user_error(f"{field}: model.finetune=full takes no LoRA adapter; load a fine-tuned transformer "
                               "with model.transformer_path instead")

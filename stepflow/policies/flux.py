@@ -23,7 +23,7 @@ What differs from SD3 (and how this policy reproduces ``FluxPipeline.__call__``)
   ``FluxPipeline`` itself rounds 1000·t to bf16, e.g. 913.35 -> 912; in fp32 both are the same).
 
 Load with ``FluxPolicy.from_pretrained("black-forest-labs/FLUX.1-dev")`` or a local diffusers folder
-(``model.path=DIR``); a load failure is a one-line :class:`~stepflow.policies.pipeline.ModelLoadError`.
+(``model.path=DIR``); a load failure is a one-line :class:`~stepflow.errors.ModelLoadError`.
 """
 
 from __future__ import annotations
@@ -95,7 +95,7 @@ def pipeline_time_grid(scheduler, num_steps: int, image_seq_len: int, what: str 
 def load_flux_pipeline(path: str, dtype: torch.dtype = torch.bfloat16, vae_dtype: torch.dtype = torch.float32,
                        transformer_path: str | None = None, **kwargs: Any):
     """``FluxPipeline.from_pretrained(path)`` (Hub id or local diffusers folder) with a one-line
-    :class:`~stepflow.policies.pipeline.ModelLoadError` on failure; ``transformer_path``: a fine-tuned
+    :class:`~stepflow.errors.ModelLoadError` on failure; ``transformer_path``: a fine-tuned
     ``FluxTransformer2DModel`` folder."""
     from diffusers import FluxPipeline, FluxTransformer2DModel
 

@@ -2,7 +2,7 @@
 
 - :func:`load_pipeline`: ``<Pipeline>.from_pretrained(path)`` from a Hub id or a local diffusers folder, the VAE in its
   own dtype, optionally a fine-tuned transformer from another folder (``transformer_path``), and every failure as
-  one actionable line (:class:`ModelLoadError`);
+  one actionable line (:class:`~stepflow.errors.ModelLoadError`);
 - :class:`PipelinePolicy`: the pipeline's modules (shared, not copied: ``policy.pipe(...)`` samples with the
   policy's transformer, LoRA included), frozen text encoders run once per distinct prompt (a prompt cache, optional
   CPU offload between uses, :meth:`~PipelinePolicy.precache` then :meth:`~PipelinePolicy.free_text_encoders`),
@@ -25,24 +25,17 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from stepflow.cli import StepflowError as _UserError  # the entry points print it (a ValueError) as one line
+from stepflow.errors import ModelLoadError
 from stepflow.policies.base import Cond, FlowPolicy, TimeInputs, lora_load_error
 from stepflow.policies.base import check_args as _check_args
 
-__all__ = ["ModelLoadError", "PipelinePolicy", "load_pipeline", "resolve_dtype"]
+__all__ = ["PipelinePolicy", "load_pipeline", "resolve_dtype"]
 
 _DTYPES = {
     "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
     "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
     "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
 }
-
-
-class ModelLoadError(_UserError):
-    """A model could not be loaded. The message is one line: what, where from, and how to fix it.
-
-    A ``ValueError`` (a ``stepflow.cli.StepflowError``): entry points print it as that one line, not a traceback.
-    """
 
 
 def resolve_dtype(dtype: str | torch.dtype | None, default: torch.dtype = torch.float32,

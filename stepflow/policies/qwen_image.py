@@ -21,7 +21,7 @@ What it takes from the pipeline (and how this policy reproduces ``QwenImagePipel
   :class:`~stepflow.policies.base.TimeInputs` pre-hook feeds it the fp32 value.
 
 Load with ``QwenImagePolicy.from_pretrained("Qwen/Qwen-Image")`` or a local diffusers folder (``model.path=DIR``);
-a load failure is a one-line :class:`~stepflow.policies.pipeline.ModelLoadError`.
+a load failure is a one-line :class:`~stepflow.errors.ModelLoadError`.
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ LORA_TARGETS_QWEN_IMAGE: tuple[str, ...] = LORA_TARGETS_SD3 + (
 def load_qwen_image_pipeline(path: str, dtype: torch.dtype = torch.bfloat16, vae_dtype: torch.dtype = torch.float32,
                              transformer_path: str | None = None, **kwargs: Any):
     """``QwenImagePipeline.from_pretrained(path)`` (Hub id or local diffusers folder) with a one-line
-    :class:`~stepflow.policies.pipeline.ModelLoadError` on failure; ``transformer_path``: a fine-tuned
+    :class:`~stepflow.errors.ModelLoadError` on failure; ``transformer_path``: a fine-tuned
     ``QwenImageTransformer2DModel`` folder."""
     from diffusers import QwenImagePipeline, QwenImageTransformer2DModel
 

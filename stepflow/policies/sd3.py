@@ -17,7 +17,8 @@ Time runs from 1 (noise) to 0 (data) and ``velocity`` predicts ``x1 - x0`` (base
 the timestep reaches the time embedding in fp32, as the pipeline passes it).
 
 Load with ``SD3Policy.from_pretrained("stabilityai/stable-diffusion-3.5-medium")`` (or ``-large``) or a local
-diffusers folder (``model.path=/local/dir`` in Hydra). A load failure is a one-line :class:`ModelLoadError`.
+diffusers folder (``model.path=/local/dir`` in Hydra). A load failure is a one-line
+:class:`~stepflow.errors.ModelLoadError`.
 """
 
 from __future__ import annotations
@@ -29,9 +30,9 @@ import torch
 from torch import Tensor
 
 from stepflow.policies.base import LORA_TARGETS_SD3, check_image_size
-from stepflow.policies.pipeline import ModelLoadError, PipelinePolicy, load_pipeline, resolve_dtype
+from stepflow.policies.pipeline import PipelinePolicy, load_pipeline, resolve_dtype
 
-__all__ = ["ModelLoadError", "SD3Policy", "default_lora", "load_sd3_pipeline", "resolve_dtype"]
+__all__ = ["SD3Policy", "default_lora", "load_sd3_pipeline", "resolve_dtype"]
 
 SD35_MEDIUM = "stabilityai/stable-diffusion-3.5-medium"
 SD35_LARGE = "stabilityai/stable-diffusion-3.5-large"
@@ -39,7 +40,8 @@ SD35_LARGE = "stabilityai/stable-diffusion-3.5-large"
 
 def load_sd3_pipeline(path: str, dtype: torch.dtype = torch.bfloat16, vae_dtype: torch.dtype = torch.float32,
                       transformer_path: str | None = None, **kwargs: Any):
-    """``StableDiffusion3Pipeline.from_pretrained(path)`` with a one-line :class:`ModelLoadError` on failure.
+    """``StableDiffusion3Pipeline.from_pretrained(path)``, a failure being one line
+    (:class:`~stepflow.errors.ModelLoadError`).
 
     ``path``: a Hub id (``stabilityai/stable-diffusion-3.5-medium``) or a local diffusers folder (with
     ``model_index.json``). The VAE loads in ``vae_dtype`` (fp32 by default), everything else in ``dtype``.

@@ -2,7 +2,7 @@
 
 Weights are named the same way everywhere: a Hugging Face repo id (``org/name``), a local directory (a
 ``save_pretrained`` folder or a folder holding the named file), a local file, or (for files only) an http(s) URL.
-Anything that cannot be loaded raises :class:`~stepflow.rewards.errors.RewardLoadError` with one line naming what
+Anything that cannot be loaded raises :class:`~stepflow.errors.RewardLoadError` with one line naming what
 was being loaded and the config key that points at a local copy. Torch pickles are only ever read with
 ``torch.load(..., weights_only=True)`` (:func:`torch_load_weights_only`): a checkpoint cannot run code.
 
@@ -29,7 +29,7 @@ import torch
 from PIL import Image
 from torch import Tensor
 
-from stepflow.rewards.errors import RewardLoadError, one_line
+from stepflow.errors import RewardLoadError, one_line
 
 
 def _looks_local(spec: str) -> bool:

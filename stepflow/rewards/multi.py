@@ -23,8 +23,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from stepflow.errors import RewardLoadError
 from stepflow.rewards.base import Reward, RewardOut
-from stepflow.rewards.errors import RewardLoadError
 
 MODES = ("sum", "sum_then_normalize", "normalize_then_sum")
 

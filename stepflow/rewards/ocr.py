@@ -28,8 +28,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from stepflow.errors import RewardLoadError
 from stepflow.rewards.base import Reward, RewardOut
-from stepflow.rewards.errors import RewardLoadError
 from stepflow.rewards.loading import to_uint8
 
 log = logging.getLogger(__name__)

@@ -1,8 +1,8 @@
 """Build a :class:`~stepflow.rewards.base.Reward` from a Hydra config (``conf/reward/<name>.yaml``).
 
 ``build_reward(cfg)`` is ``hydra.utils.instantiate`` plus one thing: a reward that cannot load its weights raises a
-one-line :class:`RewardLoadError` (naming the id/path and the ``reward.<key>=/local/copy`` override) instead of
-Hydra's wrapped, multi-screen traceback.
+one-line :class:`~stepflow.errors.RewardLoadError` (naming the id/path and the ``reward.<key>=/local/copy``
+override) instead of Hydra's wrapped, multi-screen traceback.
 """
 
 from __future__ import annotations
@@ -10,11 +10,10 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from stepflow.errors import RewardError, StepflowError
 from stepflow.rewards.base import Reward
-from stepflow.rewards.errors import MalformedReplyError, RewardError, RewardLoadError, RewardServiceError
 
-__all__ = ["build_reward", "reward_config", "RewardLoadError", "RewardServiceError", "MalformedReplyError",
-           "REWARD_NAMES"]
+__all__ = ["build_reward", "reward_config", "REWARD_NAMES"]
 
 #: the reward configs stepflow ships (``reward=<name>``)
 REWARD_NAMES = ("shapes_geneval", "pickscore", "pickscore_tiny", "clipscore", "hpsv2", "aesthetic", "imagereward", "ocr", "remote",
@@ -36,7 +35,7 @@ def reward_config(name: str, overrides: Sequence[str] = ()) -> Any:
     ``reward_config("pickscore", ["model_path=/models/PickScore_v1"])``."""
     from hydra import compose, initialize_config_dir
 
-    from stepflow.cli import CONF_DIR
+    from stepflow.config import CONF_DIR
 
     ov = [f"+reward={name}"] + [o if o.startswith(("reward.", "+reward.", "~reward.")) else
                                 ("+" if o.startswith("+") else "") + "reward." + o.lstrip("+") for o in overrides]
@@ -48,7 +47,7 @@ def build_reward(cfg: Any, overrides: Sequence[str] = ()) -> Reward:
     """Instantiate a reward from a config node with ``_target_`` (DictConfig or dict), a reward name
     (``"pickscore"``, composed from ``conf/reward``), or pass through an already built :class:`Reward`.
 
-    Raises :class:`RewardLoadError` (one line) when weights cannot be loaded.
+    Raises :class:`~stepflow.errors.RewardLoadError` (one line) when weights cannot be loaded.
     """
     if isinstance(cfg, Reward):
         return cfg
@@ -69,8 +68,6 @@ def build_reward(cfg: Any, overrides: Sequence[str] = ()) -> Reward:
             raise inner from None
         cause = e.__cause__
         if isinstance(cause, (ValueError, OSError)):  # the reward's own check of its arguments: its message, one line
-            from stepflow.cli import StepflowError
-
             msg = " ".join(str(cause).split()) or type(cause).__name__
             raise StepflowError(msg if msg.startswith("reward") else f"reward: {msg}") from None
         raise

@@ -42,7 +42,7 @@ Per call, ``meta`` must hold one record (a dict or None) per prompt (:func:`chec
 
 Waiting is interruptible: the HTTP exchange runs in a daemon thread while the caller waits in slices of
 ``POLL_S`` seconds, so :mod:`stepflow.stop` (set by the training run's SIGTERM handler) raises
-:class:`~stepflow.stop.StopRequested` within about ``POLL_S``, during a request or a back-off. ``timeout_s`` bounds
+:class:`~stepflow.errors.StopRequested` within about ``POLL_S``, during a request or a back-off. ``timeout_s`` bounds
 each attempt in total (not per socket read), and a request still waiting logs a warning every
 ``progress_every_s`` seconds.
 """
@@ -74,9 +74,8 @@ from PIL import Image
 from torch import Tensor
 
 from stepflow import stop
-from stepflow.cli import StepflowError
+from stepflow.errors import MalformedReplyError, RemoteConfigError, RewardServiceError, one_line
 from stepflow.rewards.base import Reward, RewardOut
-from stepflow.rewards.errors import MalformedReplyError, RewardError, RewardServiceError, one_line
 from stepflow.rewards.loading import to_uint8
 
 log = logging.getLogger(__name__)
@@ -475,12 +474,6 @@ _WARNED_PICKLE: set[str] = set()
 
 
 # ---------------------------------------------------------------- the client's settings
-
-
-class RemoteConfigError(StepflowError, RewardError):
-    """A setting of the remote reward (``reward.<field>``) that cannot work, raised when the reward is built, before
-    any request: one line naming the field and the fix. A :class:`StepflowError` (the entry points print it as is)
-    and a :class:`RewardError` (``build_reward`` unwraps it from Hydra's InstantiationException)."""
 
 
 _URL_FIX = "give reward.url=http://<host>:<port>, e.g. reward.url=http://127.0.0.1:18085"

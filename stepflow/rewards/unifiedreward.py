@@ -29,8 +29,8 @@ import torch
 from PIL import Image
 from torch import Tensor
 
+from stepflow.errors import MalformedReplyError, one_line
 from stepflow.rewards.base import Reward, RewardOut
-from stepflow.rewards.errors import MalformedReplyError, one_line
 from stepflow.rewards.loading import to_pil
 from stepflow.rewards.remote import backoff_wait, map_interruptible, png_b64, post_json
 

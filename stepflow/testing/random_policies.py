@@ -346,8 +346,9 @@ def random_policy(model: str = "sd35_medium", *, tiny: bool = False, device: str
 
 class StandInReward(Reward):
     """Cheap image reward on decoded images (B, 3, H, W) in [0, 1]: colourfulness − |brightness − 0.5| (so the
-    reward phase measures decoding, not a reward model). ``reward._target_=stepflow.policies.random_full.StandInReward``
-    on the training command line (after ``~reward``)."""
+    reward phase measures decoding, not a reward model).
+    ``reward._target_=stepflow.testing.random_policies.StandInReward`` on the training command line (after
+    ``~reward``)."""
 
     name = "stand_in"
     batch_size = 256
@@ -362,7 +363,7 @@ def peak_memory_callback(dirpath: str | None = None, filename: str = "memory.csv
     """A Lightning callback that writes, per GRPO iteration (one training batch), the CUDA peak memory allocated and
     reserved (GiB) and the iteration's wall seconds to ``<run dir>/memory.csv`` (``dirpath`` is the checkpoint
     folder that ``stepflow.train.build_trainer`` hands every callback; the file goes beside it). Enable it with
-    ``+callbacks.memory._target_=stepflow.policies.random_full.peak_memory_callback``. On the CPU the memory
+    ``+callbacks.memory._target_=stepflow.testing.random_policies.peak_memory_callback``. On the CPU the memory
     columns are empty."""
     import time
 
