@@ -60,10 +60,10 @@ class ModelClock:
 
     def __init__(self, module):
         self.seconds = 0.0
-        pol, lr = module.policy, module.learner
+        pol, learner = module.policy, module.learner
         for name in ("velocity", "decode"):
             setattr(pol, name, self._timed(getattr(pol, name)))
-        lr.backward = self._timed(lr.backward)
+        learner.backward = self._timed(learner.backward)
 
     def _timed(self, fn):
         def wrapper(*a, **k):

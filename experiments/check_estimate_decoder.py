@@ -108,19 +108,19 @@ def measure(overrides: list[str], batches: int) -> dict:
         raise StepflowError(f"--batches: must be >= 1, got {batches}")
     cfg = training_config(overrides)
     module = build_module(cfg, Path("/tmp/stepflow_estimate_decoder"))
-    lr, lp, pol = module.learner, module.loop, module.policy
+    learner, lp, pol = module.learner, module.loop, module.policy
     tiny = pol.estimate_vae
     est = AdvantageEstimator(AdvantageConfig(scheme="gain"))
     rows = {"full": [], "cheap": [], "groups": []}
     secs = {"full": 0.0, "cheap": 0.0}
     for i in range(batches):
-        plan = lr.plan.plan(i)
-        traj = rollout(pol, plan, lr.sampler, lp.num_steps, lr.guidance)
-        x0 = estimate_states(pol, traj, lp.substeps, lr.guidance, lp.adaptive_substeps, lp.estimate_chunk)
+        plan = learner.plan.plan(i)
+        traj = rollout(pol, plan, learner.sampler, lp.num_steps, learner.guidance)
+        x0 = estimate_states(pol, traj, lp.substeps, learner.guidance, lp.adaptive_substeps, lp.estimate_chunk)
         for name in ("full", "cheap"):
             pol.estimate_vae = tiny if name == "cheap" else None
             t0 = time.perf_counter()
-            rows[name].append(score(pol, lr.reward, traj, x0, lp.decode_chunk).rewards)
+            rows[name].append(score(pol, learner.reward, traj, x0, lp.decode_chunk).rewards)
             secs[name] += time.perf_counter() - t0
         pol.estimate_vae = tiny
         rows["groups"].append(plan.group_ids + 1000 * i)

@@ -121,7 +121,7 @@ def make_learner(policy, reward, scheme, args, optimizer, on_optimizer_step=None
     from stepflow.advantage import AdvantageConfig, AdvantageEstimator
     from stepflow.algorithm import Learner
     from stepflow.config import LoopConfig, TrainConfig
-    from stepflow.data import GroupSampler
+    from stepflow.data import PromptPlanner
     from stepflow.sde import SamplerConfig
 
     groups = max(1, args.batch // args.group_size)
@@ -129,7 +129,7 @@ def make_learner(policy, reward, scheme, args, optimizer, on_optimizer_step=None
                       substeps=args.substeps, estimate_chunk=args.estimate_chunk, decode_chunk=args.decode_chunk)
     train = TrainConfig(lr=lr, beta_kl=args.beta_kl, micro_batch_size=args.micro_batch,
                         timestep_fraction=args.timestep_fraction)
-    plan = GroupSampler([{"prompt": p} for p in PROMPTS], groups, args.group_size, seed=0)
+    plan = PromptPlanner([{"prompt": p} for p in PROMPTS], groups, args.group_size, seed=0)
     return Learner(policy, reward, SamplerConfig(name=args.sampler), AdvantageEstimator(AdvantageConfig(scheme=scheme)),
                    plan, loop, train, optimizer, guidance=args.guidance, on_optimizer_step=on_optimizer_step)
 

@@ -69,37 +69,37 @@ def measure(overrides: list[str], batches: int, schemes: list[str], weightings: 
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         cfg = compose(config_name="train", overrides=overrides)
     module = build_module(cfg, Path("/tmp/stepflow_coherence"))
-    lr, lp = module.learner, module.loop
-    estimators = {s: AdvantageEstimator(dataclasses.replace(lr.advantage.cfg, scheme=s)) for s in schemes}
+    learner, lp = module.learner, module.loop
+    estimators = {s: AdvantageEstimator(dataclasses.replace(learner.advantage.cfg, scheme=s)) for s in schemes}
     grads: dict[str, list] = {s: [] for s in schemes}
     wgrads: dict[str, list] = {w: [] for w in weightings}  # per batch: (update (D,), per-step weighted grads (S, D))
     steps: list[int] = []
     t0 = time.perf_counter()
     for i in tqdm(range(batches), desc="batches"):  # the training loop's phases, on independent batches
-        plan = lr.plan.plan(i)
-        traj = rollout(lr.policy, plan, lr.sampler, lp.num_steps, lr.guidance)
-        x0 = estimate_states(lr.policy, traj, lp.substeps, lr.guidance, lp.adaptive_substeps, lp.estimate_chunk)
-        rewards = score(lr.policy, lr.reward, traj, x0, lp.decode_chunk).rewards
-        every = dataclasses.replace(lr.train, train_steps=None, timestep_fraction=1.0)
-        steps = trainable_steps(every, lr.sampler, traj.times)  # every stochastic step, whatever train_steps says
+        plan = learner.plan.plan(i)
+        traj = rollout(learner.policy, plan, learner.sampler, lp.num_steps, learner.guidance)
+        x0 = estimate_states(learner.policy, traj, lp.substeps, learner.guidance, lp.adaptive_substeps, lp.estimate_chunk)
+        rewards = score(learner.policy, learner.reward, traj, x0, lp.decode_chunk).rewards
+        every = dataclasses.replace(learner.train, train_steps=None, timestep_fraction=1.0)
+        steps = trainable_steps(every, learner.sampler, traj.times)  # every stochastic step, whatever train_steps says
         outs = {s: est(rewards, plan.group_ids, lp.num_steps) for s, est in estimators.items()}
         for s, out in outs.items():
-            grads[s].append(step_gradients(lr, traj, out.advantages, steps))
+            grads[s].append(step_gradients(learner, traj, out.advantages, steps))
         if weightings:  # the first scheme's gradients, weighted as the update weighs them
             from stepflow.sde import step_std
 
             out = outs[schemes[0]]
-            stds = step_std(lr.sampler, traj.times[:-1], traj.times[1:], t_guard=traj.times[1])[steps]
+            stds = step_std(learner.sampler, traj.times[:-1], traj.times[1:], t_guard=traj.times[1])[steps]
             gains = out.gains[:, steps] if out.gains is not None else None
             for w in weightings:
                 g = grads[schemes[0]][-1]
                 if w == "guard":
-                    plain = lr.train
-                    lr.train = dataclasses.replace(plain, weighting="guard")
+                    plain = learner.train
+                    learner.train = dataclasses.replace(plain, weighting="guard")
                     try:
-                        g = step_gradients(lr, traj, out.advantages, steps)
+                        g = step_gradients(learner, traj, out.advantages, steps)
                     finally:
-                        lr.train = plain
+                        learner.train = plain
                 upd, wk = weighted_update(g, w, stds, gains)
                 wgrads[w].append((upd, wk[:, None] * g))
     res = {"overrides": overrides, "batches": batches, "samples_per_batch": traj.batch_size, "steps": steps,

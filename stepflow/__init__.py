@@ -8,7 +8,7 @@ reads this list and checks both). A name stands for that module, or that package
 1. core (math, prompts, the stop flag, the embedded shapes world): sde, advantage, loss, window, estimate,
    coherence, data, stop, shapes
 2. models (the policies, the rewards, and the typed settings, which check the models' own): policies, rewards, config
-3. loop (one GRPO iteration and evaluation, free of Lightning): rollout, algorithm, dist, evaluation
+3. loop (one GRPO iteration and the held-out evaluation, free of Lightning): rollout, algorithm, dist, heldout
 4. shell (Lightning: the module, strategies, EMA, checkpoints, logs): grpo, sharding, deepspeed_strategy, ema,
    checkpoint, loggers, plots
 5. entry points (the Hydra commands and their plumbing): cli, rundir, train, evaluate, pretrain, serve_reward

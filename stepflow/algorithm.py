@@ -22,7 +22,7 @@ from torch import Tensor
 from stepflow import stop
 from stepflow.advantage import AdvantageEstimator, AdvantageOut
 from stepflow.config import LoopConfig, TrainConfig
-from stepflow.data import GroupSampler, IterationPlan
+from stepflow.data import IterationPlan, PromptPlanner
 from stepflow.dist import Dist, clip_grad_norm
 from stepflow.errors import NonFiniteRewardsError, NonFiniteUpdate, StopRequested
 from stepflow.loss import distill_loss, policy_loss
@@ -46,7 +46,7 @@ class Learner:
     reward: Reward
     sampler: SamplerConfig
     advantage: AdvantageEstimator
-    plan: GroupSampler
+    plan: PromptPlanner
     loop: LoopConfig
     train: TrainConfig
     optimizer: Any
@@ -114,49 +114,49 @@ class IterationResult:
     finite: Tensor  #: (B_global,) bool, the rows whose rewards were used (the others were dropped)
 
 
-def iteration(lr: Learner, it: int) -> IterationResult:
+def iteration(learner: Learner, it: int) -> IterationResult:
     """GRPO iteration ``it`` (docs/method.md §10). A stop request (SIGTERM / SIGINT) abandons it at the next phase
     boundary before the update (``StopRequested``); once the update has begun, the iteration finishes."""
-    plan = lr.plan.plan(it)  # the same global plan on every rank; each rolls out its own rows
-    mine = plan.shard(lr.dist.rank, lr.dist.world)
-    steps, ph = lr.loop.num_steps, Phases(lr.policy)
-    grid = lr.policy.time_grid(steps)
-    sde = lr.window_steps(it)  # the SDE window (None: every step); the others follow the ODE
-    trained = trainable_steps(lr.train, lr.sampler, grid, lr.distill, sde)
-    need = states_needed(lr, trained, it)  # the states whose rewards the credit (and the log) read
-    lr.policy.eval()
-    _stop_point(lr)
-    if lr.loop.overlap_reward:  # the same three phases, chunk by chunk, each chunk's reward call in a thread
-        traj, x0_hat, scores = _rollout_and_score_overlapped(lr, mine, need, sde, ph)
+    plan = learner.plan.plan(it)  # the same global plan on every rank; each rolls out its own rows
+    mine = plan.shard(learner.dist.rank, learner.dist.world)
+    steps, ph = learner.loop.num_steps, Phases(learner.policy)
+    grid = learner.policy.time_grid(steps)
+    sde = learner.window_steps(it)  # the SDE window (None: every step); the others follow the ODE
+    trained = trainable_steps(learner.train, learner.sampler, grid, learner.distill, sde)
+    need = states_needed(learner, trained, it)  # the states whose rewards the credit (and the log) read
+    learner.policy.eval()
+    _stop_point(learner)
+    if learner.loop.overlap_reward:  # the same three phases, chunk by chunk, each chunk's reward call in a thread
+        traj, x0_hat, scores = _rollout_and_score_overlapped(learner, mine, need, sde, ph)
     else:
         with ph("rollout"):  # X_0 .. X_D and log π_old under the SDE sampler, no grad (D: the last state needed)
-            traj = rollout(lr.policy, mine, lr.sampler, steps, lr.guidance, depth=max(need), sde_steps=sde)
-        _stop_point(lr)
+            traj = rollout(learner.policy, mine, learner.sampler, steps, learner.guidance, depth=max(need), sde_steps=sde)
+        _stop_point(learner)
         with ph("estimate"):  # x̂0 of the needed states by T′ Euler substeps (none for uniform credit)
-            x0_hat = _estimate(lr, traj, need)
-        _stop_point(lr)
+            x0_hat = _estimate(learner, traj, need)
+        _stop_point(learner)
         with ph("reward"), contextlib.suppress(StopRequested):  # the needed R_k in one call (uniform: R_T)
-            scores = score(lr.policy, lr.reward, traj, x0_hat, lr.loop.decode_chunk, states=need)
-    _stop_point(lr)  # an interrupted reward call set the stop flag: every rank stops here
+            scores = score(learner.policy, learner.reward, traj, x0_hat, learner.loop.decode_chunk, states=need)
+    _stop_point(learner)  # an interrupted reward call set the stop flag: every rank stops here
     with ph("advantage"):  # gains G_k = R_{k+1} − R_k, normalised per group over every rank's rows
-        rewards = lr.dist.gather_rows(scores.rewards)
-        adv, dropped = finite_advantages(lr, rewards, plan.group_ids, it, trained)
+        rewards = learner.dist.gather_rows(scores.rewards)
+        adv, dropped = finite_advantages(learner, rewards, plan.group_ids, it, trained)
     with ph("update"):  # clipped GRPO (+ β·KL) over the trainable steps
-        w = step_weights(lr, adv, trained, grid)
-        measure = lr.signal is not None and it % lr.train.auto_every == 0  # auto: also the steps of weight 0
-        upd = update(lr, traj, lr.dist.local_rows(adv.advantages), x0_hat, it, trained, w, mine.group_ids, measure)
+        w = step_weights(learner, adv, trained, grid)
+        measure = learner.signal is not None and it % learner.train.auto_every == 0  # auto: also the steps of weight 0
+        upd = update(learner, traj, learner.dist.local_rows(adv.advantages), x0_hat, it, trained, w, mine.group_ids, measure)
     upd["train/nonfinite_rewards"] = float(dropped.sum())
     return IterationResult(plan, scores, rewards, adv, upd, ph, x0_hat is not None, ~dropped)
 
 
-def _estimate(lr: Learner, traj: Trajectory, need: list[int]) -> Tensor | None:
-    if not lr.advantage.needs_stepwise_rewards:
+def _estimate(learner: Learner, traj: Trajectory, need: list[int]) -> Tensor | None:
+    if not learner.advantage.needs_stepwise_rewards:
         return None
-    return estimate_states(lr.policy, traj, lr.loop.substeps, lr.guidance, lr.loop.adaptive_substeps,
-                           lr.loop.estimate_chunk, states=need)
+    return estimate_states(learner.policy, traj, learner.loop.substeps, learner.guidance, learner.loop.adaptive_substeps,
+                           learner.loop.estimate_chunk, states=need)
 
 
-def _rollout_and_score_overlapped(lr: Learner, plan: IterationPlan, need: list[int], sde, ph: Phases):
+def _rollout_and_score_overlapped(learner: Learner, plan: IterationPlan, need: list[int], sde, ph: Phases):
     """Rollout, estimates and decoding of ``loop.overlap_chunks`` chunks of the rows in turn, each chunk's reward
     call submitted to a thread as soon as its images exist; the "reward" phase is what is left to wait for at the
     end. Same trajectories, rewards and NFEs as the sequential phases (rows are seeded one by one)."""
@@ -165,16 +165,16 @@ def _rollout_and_score_overlapped(lr: Learner, plan: IterationPlan, need: list[i
     from stepflow.rollout import Scores
 
     n = len(plan)
-    size = -(-n // lr.loop.overlap_chunks)
+    size = -(-n // learner.loop.overlap_chunks)
     parts, ests, futures = [], [], []
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="reward") as pool:
         for s in range(0, n, size):
             sub = plan.rows(slice(s, s + size))
             with ph("rollout"):
-                part = rollout(lr.policy, sub, lr.sampler, lr.loop.num_steps, lr.guidance, depth=max(need), sde_steps=sde)
+                part = rollout(learner.policy, sub, learner.sampler, learner.loop.num_steps, learner.guidance, depth=max(need), sde_steps=sde)
             with ph("estimate"):
-                est = _estimate(lr, part, need)
-                futures.append(score(lr.policy, lr.reward, part, est, lr.loop.decode_chunk, states=need, executor=pool))
+                est = _estimate(learner, part, need)
+                futures.append(score(learner.policy, learner.reward, part, est, learner.loop.decode_chunk, states=need, executor=pool))
             parts.append(part)
             ests.append(est)
         with ph("reward"):
@@ -188,56 +188,56 @@ def _rollout_and_score_overlapped(lr: Learner, plan: IterationPlan, need: list[i
     return traj, x0_hat, Scores(torch.cat([d.rewards for d in done]), comps, images=sum(d.images for d in done))
 
 
-def _stop_point(lr: Learner) -> None:
+def _stop_point(learner: Learner) -> None:
     """A phase boundary: every rank agrees to go on or to stop (the same collective on every rank)."""
-    if lr.dist.any(stop.STOP.is_set()):
+    if learner.dist.any(stop.STOP.is_set()):
         raise StopRequested(stop.reason())
 
 
-def step_weights(lr: Learner, adv: AdvantageOut, trained: list[int], grid: Tensor) -> Tensor | None:
+def step_weights(learner: Learner, adv: AdvantageOut, trained: list[int], grid: Tensor) -> Tensor | None:
     """The loss weight of each trained step (S,), mean 1, for ``train.weighting`` = noise (∝ the step's noise std) or
     gain_var (∝ the variance of its gains over every rank's rows); None = all 1."""
     from stepflow.loss import gain_variance_weights, noise_weights
 
-    kind = lr.train.weighting
+    kind = learner.train.weighting
     if not trained or kind not in ("noise", "gain_var"):
         return None
     if kind == "noise":
-        std = step_std(lr.sampler, grid[:-1], grid[1:], t_guard=grid[1])
+        std = step_std(learner.sampler, grid[:-1], grid[1:], t_guard=grid[1])
         return noise_weights(std[trained])
     if adv.gains is None:
         return None
     return gain_variance_weights(adv.gains[:, trained])
 
 
-def states_needed(lr: Learner, trained: list[int], it: int) -> list[int]:
+def states_needed(learner: Learner, trained: list[int], it: int) -> list[int]:
     """The states whose rewards iteration ``it`` computes: those the credit reads for the ``trained`` steps, plus the
     final image every ``loop.final_reward_every`` iterations when the credit does not read it (train/reward_final)."""
-    steps = lr.loop.num_steps
-    need = lr.advantage.states_needed(trained, steps) or [steps]
-    every = lr.loop.final_reward_every
+    steps = learner.loop.num_steps
+    need = learner.advantage.states_needed(trained, steps) or [steps]
+    every = learner.loop.final_reward_every
     if steps not in need and every and it % every == 0:
         need = sorted({*need, steps})
     return need
 
 
-def finite_advantages(lr: Learner, rewards: Tensor, group_ids: Tensor, it: int,
+def finite_advantages(learner: Learner, rewards: Tensor, group_ids: Tensor, it: int,
                       trained: list[int] | None = None) -> tuple[AdvantageOut, Tensor]:
     """Advantages of the rows whose rewards are finite in the columns the scheme reads; a row with a NaN / inf
     reward is dropped from the iteration (advantage 0 at every step, left out of its group's statistics, so the
     update skips it). Returns (advantages of all rows, dropped (B,) bool). More than ``loop.max_nonfinite_frac``
     dropped rows stop the run (:class:`~stepflow.errors.NonFiniteRewardsError`)."""
-    steps = lr.loop.num_steps
-    used = rewards[:, lr.advantage.states_needed(trained or [], steps) or [steps]]
+    steps = learner.loop.num_steps
+    used = rewards[:, learner.advantage.states_needed(trained or [], steps) or [steps]]
     dropped = ~torch.isfinite(used).all(1)
     n = int(dropped.sum())
     if n == 0:
-        return lr.advantage(rewards, group_ids, steps, trained), dropped
-    if n > lr.loop.max_nonfinite_frac * len(rewards):
+        return learner.advantage(rewards, group_ids, steps, trained), dropped
+    if n > learner.loop.max_nonfinite_frac * len(rewards):
         raise NonFiniteRewardsError(f"{n} of {len(rewards)} samples of iteration {it} have a NaN / inf reward (more "
-                                    f"than loop.max_nonfinite_frac={lr.loop.max_nonfinite_frac}); check the reward")
+                                    f"than loop.max_nonfinite_frac={learner.loop.max_nonfinite_frac}); check the reward")
     keep = ~dropped
-    out = lr.advantage(rewards[keep], group_ids[keep], steps, trained)
+    out = learner.advantage(rewards[keep], group_ids[keep], steps, trained)
     full = torch.zeros(len(rewards), steps, dtype=out.advantages.dtype)
     full[keep] = out.advantages
     return AdvantageOut(full, None, out.stats), dropped
@@ -258,7 +258,7 @@ def trainable_steps(train: TrainConfig, sampler: SamplerConfig, times: Tensor, d
     return [k for k in cand if float(std[k]) > 0]
 
 
-def update(lr: Learner, traj: Trajectory, adv: Tensor, x0_hat: Tensor | None, it: int,
+def update(learner: Learner, traj: Trajectory, adv: Tensor, x0_hat: Tensor | None, it: int,
            steps: list[int] | None = None, weights: Tensor | None = None, groups: Tensor | None = None,
            measure: bool = False) -> dict[str, float]:
     """Policy update over the trainable ``steps`` (default :func:`trainable_steps`): ``updates_per_iter`` optimizer
@@ -267,12 +267,12 @@ def update(lr: Learner, traj: Trajectory, adv: Tensor, x0_hat: Tensor | None, it
     steps' gradients instead (:func:`_per_step_update`); ``measure``: add this update's gradients to the auto-step
     signal estimate (``groups``: (B_local,) group ids, to split the batch into independent halves).
     adv: (B_local, T). Returns diagnostics (means over terms)."""
-    o, pol, dist = lr.train, lr.policy, lr.dist
+    o, pol, dist = learner.train, learner.policy, learner.dist
     if steps is None:
-        steps = trainable_steps(o, lr.sampler, traj.times, lr.distill, lr.window_steps(it))
-    keep = adv.abs().sum(1) > 0 if (o.drop_zero_adv and not lr.distill) else torch.ones(traj.batch_size, dtype=torch.bool)
+        steps = trainable_steps(o, learner.sampler, traj.times, learner.distill, learner.window_steps(it))
+    keep = adv.abs().sum(1) > 0 if (o.drop_zero_adv and not learner.distill) else torch.ones(traj.batch_size, dtype=torch.bool)
     rows = torch.nonzero(keep).flatten()
-    rows = rows[torch.randperm(len(rows), generator=torch.Generator().manual_seed(lr.loop.seed * 7919 + it))]
+    rows = rows[torch.randperm(len(rows), generator=torch.Generator().manual_seed(learner.loop.seed * 7919 + it))]
     if dist.world > 1:  # the same number of optimizer steps on every rank (a rank may hold no rows of a chunk)
         chunks = list(rows.tensor_split(o.updates_per_iter))
     else:
@@ -287,7 +287,7 @@ def update(lr: Learner, traj: Trajectory, adv: Tensor, x0_hat: Tensor | None, it
         n_global = dist.all_sum(len(chunk))
         if n_global == 0:
             continue
-        lr.optimizer.zero_grad(set_to_none=True)
+        learner.optimizer.zero_grad(set_to_none=True)
         mbs = [mb for mb in chunk.split(o.micro_batch_size) if len(mb)]  # a rank may hold none of a chunk's rows
         # FSDP2 / DeepSpeed: every forward and backward is a collective, so every rank runs as many micro-batches as
         # the rank with most; the extra ones are this rank's first row at loss weight 0 (no gradient, no statistic)
@@ -297,39 +297,39 @@ def update(lr: Learner, traj: Trajectory, adv: Tensor, x0_hat: Tensor | None, it
                   pads: list = pads) -> None:  # step k, backward
             batches = [(mb, True) for mb in rows_list] + [(mb, False) for mb in pads]
             for i, (mb, real) in enumerate(batches):
-                out = step_loss(lr, traj, adv, k, mb, times, x0_hat)
+                out = step_loss(learner, traj, adv, k, mb, times, x0_hat)
                 # each term is a mean over its rows: weighted, the step's loss is the mean over all rows of the
                 # chunk on all ranks (gradients are then summed over ranks: grad_scale undoes a strategy's mean),
                 # averaged over the steps
                 w = scale * len(mb) / n_global * dist.grad_scale if real else 0.0
                 dist.boundary(last and i == len(batches) - 1)  # DeepSpeed: reduce and step after the chunk's last
-                lr.backward(out.pop("loss") * w)
+                learner.backward(out.pop("loss") * w)
                 if real:
                     stats.add_terms(out, len(mb), k)
 
-        if o.weighting == "grad_rms" or lr.signal is not None:
-            _per_step_update(lr, steps, chunk, n_global, mbs, groups, terms, params, stats.plain, measure)
+        if o.weighting == "grad_rms" or learner.signal is not None:
+            _per_step_update(learner, steps, chunk, n_global, mbs, groups, terms, params, stats.plain, measure)
         else:
             with dist.accumulating():
                 for j, k in enumerate(steps):
                     terms(k, mbs, (1.0 if weights is None else float(weights[j])) / len(steps),
                           last=j == len(steps) - 1)
         dist.all_reduce_grads(params)
-        norm = clip_and_step(lr, params, o.max_grad_norm)
+        norm = clip_and_step(learner, params, o.max_grad_norm)
         if norm is not None:
             stats.plain.setdefault("grad_norm", []).append(norm)
-        lr.opt_steps += 1
-        if lr.on_optimizer_step is not None:
-            lr.on_optimizer_step(lr.opt_steps - 1)
+        learner.opt_steps += 1
+        if learner.on_optimizer_step is not None:
+            learner.on_optimizer_step(learner.opt_steps - 1)
     pol.eval()
     res = stats.reduce(dist)
     res["train/samples_trained"], res["train/steps_trained"] = dist.all_sum(len(rows)), float(len(steps))
     if weights is not None:
         res.update({f"train/weight_step{k}": float(w) for k, w in zip(steps, weights)})
-    if lr.signal is not None:
-        res.update({f"train/signal_step{k}": float(r) for k, r in zip(lr.signal.steps, lr.signal.rho())})
-        res.update({f"train/weight_step{k}": float(w) for k, w in zip(lr.signal.steps, lr.signal.weights())})
-        q, q95, tau2 = lr.signal.heterogeneity()
+    if learner.signal is not None:
+        res.update({f"train/signal_step{k}": float(r) for k, r in zip(learner.signal.steps, learner.signal.rho())})
+        res.update({f"train/weight_step{k}": float(w) for k, w in zip(learner.signal.steps, learner.signal.weights())})
+        q, q95, tau2 = learner.signal.heterogeneity()
         if q95 < float("inf"):  # Cochran's Q over its 95 % point: the weights leave uniform above 1
             res["train/signal_heterogeneity"], res["train/signal_tau2"] = q / q95, tau2
     return res
@@ -376,7 +376,7 @@ class _Stats:
         return res
 
 
-def clip_and_step(lr: Learner, params: list, max_norm: float) -> Tensor | None:
+def clip_and_step(learner: Learner, params: list, max_norm: float) -> Tensor | None:
     """Clip the gradients to ``max_norm`` (0 = no clipping) and take the optimizer step; returns the gradient norm
     before clipping (None without clipping). DeepSpeed clips inside its own step (``gradient_clipping`` in its config)
     and reports the norm it clipped with; FSDP2's sharded gradients have their norm summed over ranks.
@@ -384,25 +384,25 @@ def clip_and_step(lr: Learner, params: list, max_norm: float) -> Tensor | None:
     A gradient whose norm is inf / nan (the norm is global, so every rank sees it) raises
     :class:`NonFiniteUpdate` before the step: no non-finite weight is taken, saved or logged, and ``last.ckpt``
     keeps the last finished iteration."""
-    engine = lr.dist.engine
+    engine = learner.dist.engine
     if engine is not None:
-        lr.optimizer.step()
+        learner.optimizer.step()
         norm = torch.as_tensor(float(engine.get_global_grad_norm() or 0.0), dtype=torch.float64)
-        _check_finite_grad(lr, norm, taken=True)
+        _check_finite_grad(learner, norm, taken=True)
         return norm if max_norm > 0 else None
     norm = clip_grad_norm(params, max_norm if max_norm > 0 else float("inf"))
-    _check_finite_grad(lr, norm, taken=False)
-    lr.optimizer.step()
+    _check_finite_grad(learner, norm, taken=False)
+    learner.optimizer.step()
     return norm if max_norm > 0 else None
 
 
-def _check_finite_grad(lr: Learner, norm: Tensor, taken: bool) -> None:
+def _check_finite_grad(learner: Learner, norm: Tensor, taken: bool) -> None:
     if bool(torch.isfinite(norm)):
         return
     when = ("DeepSpeed's optimizer step has taken it; nothing was saved after it" if taken
             else "the optimizer step was not taken")
     raise NonFiniteUpdate(
-        f"train: the gradient of optimizer step {lr.opt_steps + 1} is not finite (norm {float(norm)}), so the run "
+        f"train: the gradient of optimizer step {learner.opt_steps + 1} is not finite (norm {float(norm)}), so the run "
         f"stopped: {when}, and checkpoints/last.ckpt holds the last finished iteration; lower train.lr, check the "
         "reward (train/nonfinite_rewards) or clip harder (train.max_grad_norm)")
 
@@ -411,7 +411,7 @@ def _grad_vector(params: list) -> Tensor:
     return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).flatten() for p in params])
 
 
-def _per_step_update(lr: Learner, steps: list[int], chunk: Tensor, n_global: float, mbs: list[Tensor],
+def _per_step_update(learner: Learner, steps: list[int], chunk: Tensor, n_global: float, mbs: list[Tensor],
                      groups: Tensor | None, terms, params: list, stats: dict, measure: bool) -> None:
     """Each trained step's gradient separately, summed from its parts (whole prompt groups; one group: two halves),
     then combined into the parameters' .grad: ``train.weighting=grad_rms``: ``Σ_k (rms/|g_k|)·g_k / S``;
@@ -431,7 +431,7 @@ def _per_step_update(lr: Learner, steps: list[int], chunk: Tensor, n_global: flo
     parts = [[mb[torch.tensor([part_of[int(r)] == g for r in mb])] for mb in mbs] for g in ids]
     parts = [[mb for mb in p if len(mb)] for p in parts]
     sizes = [sum(len(mb) for mb in p) for p in parts]
-    sig = lr.signal
+    sig = learner.signal
     if sig is not None:
         w_all = sig.weights()
         todo = [k for k in steps if measure or float(w_all[sig.steps.index(k)]) > 0]
@@ -451,10 +451,10 @@ def _per_step_update(lr: Learner, steps: list[int], chunk: Tensor, n_global: flo
             m = [v.double() * (n_global / n) for v, n in zip(vecs, sizes)]
             sums.append(pair_sums(torch.stack(m)) if m else torch.zeros(4, dtype=torch.float64))
     if sig is not None and todo:  # one reduction over ranks for every step's sums
-        sig.add(todo, [StepSignal.ratio(*row) for row in lr.dist.all_sum_tensor(torch.stack(sums)).tolist()])
-    manual = lr.dist.world > 1 and lr.dist.manual_grad_sync
+        sig.add(todo, [StepSignal.ratio(*row) for row in learner.dist.all_sum_tensor(torch.stack(sums)).tolist()])
+    manual = learner.dist.world > 1 and learner.dist.manual_grad_sync
     if manual and grads:  # every rank combines the global per-step gradients (norms of the sum over ranks)
-        grads = list(lr.dist.all_sum_tensor(torch.stack(grads)).unbind(0))
+        grads = list(learner.dist.all_sum_tensor(torch.stack(grads)).unbind(0))
     norms = torch.stack([g.norm() for g in grads]).double() if grads else torch.zeros(0)
     coef = rms_weights(norms).double()
     if sig is not None:
@@ -465,7 +465,7 @@ def _per_step_update(lr: Learner, steps: list[int], chunk: Tensor, n_global: flo
         coef = coef / max(1, len(todo))
     total = sum(c * g for c, g in zip(coef.tolist(), grads)) if grads else None
     if manual and total is not None:  # the caller's all_reduce_grads sums the ranks' (identical) combinations
-        total = total / lr.dist.world
+        total = total / learner.dist.world
     off = 0
     for p in params:
         n_p = p.numel()
@@ -473,37 +473,37 @@ def _per_step_update(lr: Learner, steps: list[int], chunk: Tensor, n_global: flo
         off += n_p
 
 
-def step_loss(lr: Learner, traj: Trajectory, adv: Tensor, k: int, rows: Tensor, times: Tensor,
+def step_loss(learner: Learner, traj: Trajectory, adv: Tensor, k: int, rows: Tensor, times: Tensor,
               x0_hat: Tensor | None = None) -> dict[str, Tensor]:
     """The loss of step k on ``rows`` (a mean over them) and its detached diagnostics (docs/method.md §5, §6.3).
 
     GRPO: ``mean_i max(−A ρ, −A clip(ρ, 1 ± ϵ)) + β·KL(π_θ ‖ π_ref)`` with ρ from the log-prob of the rollout's
     X_{k+1}; distillation: the gain-weighted distance of the student's Tweedie x̂0 to the estimate two steps later.
     """
-    o, pol, dev = lr.train, lr.policy, lr.policy.device
+    o, pol, dev = learner.train, learner.policy, learner.policy.device
     x_k = traj.latents[rows, k].to(dev)
     cond = traj.cond.index(rows).to(dev)
     t, t_next = times[k], times[k + 1]
     ref_mean = None
-    if o.beta_kl > 0 and not lr.distill:  # before the policy's forward: FSDP2 must not run a module forward between
+    if o.beta_kl > 0 and not learner.distill:  # before the policy's forward: FSDP2 must not run a module forward between
         # a forward with autograd and its backward (the no-grad forward reshards what the backward needs)
         with torch.no_grad(), pol.reference():  # π_ref: the LoRA disabled, or the frozen initial transformer
-            v_ref = pol.velocity(x_k, t, cond, lr.guidance)
-            ref_mean = sde_step(lr.sampler, x_k, v_ref, t, t_next, t_guard=times[1],
+            v_ref = pol.velocity(x_k, t, cond, learner.guidance)
+            ref_mean = sde_step(learner.sampler, x_k, v_ref, t, t_next, t_guard=times[1],
                                 prev_sample=traj.latents[rows, k + 1].to(dev)).mean
-    v = pol.velocity(x_k, t, cond, lr.guidance)
+    v = pol.velocity(x_k, t, cond, learner.guidance)
     a = adv[rows, k].to(dev)
-    if lr.distill:  # student Tweedie at (x_t, t) vs sg[x̂0 two steps later] (X_T beyond the end)
+    if learner.distill:  # student Tweedie at (x_t, t) vs sg[x̂0 two steps later] (X_T beyond the end)
         target = x0_hat[rows, min(k + 2, traj.num_steps)].to(dev)
         loss = distill_loss(x_k - t * v, target, a, weight=o.distill_weight, temperature=o.distill_temperature)
         return {"loss": loss, "distill_loss": loss.detach()}
     x_next = traj.latents[rows, k + 1].to(dev)
-    out = sde_step(lr.sampler, x_k, v, t, t_next, t_guard=times[1], prev_sample=x_next)
+    out = sde_step(learner.sampler, x_k, v, t, t_next, t_guard=times[1], prev_sample=x_next)
     lp, lp_old = out.log_prob, traj.log_probs[rows, k].to(dev)
     if o.weighting == "guard":  # GRPO-Guard: the noise-normalised log-ratio in place of log π_θ − log π_old
         from stepflow.loss import guard_log_ratio
 
-        old = sde_step(lr.sampler, x_k, traj.velocities[rows, k].to(dev), t, t_next, t_guard=times[1], prev_sample=x_next)
+        old = sde_step(learner.sampler, x_k, traj.velocities[rows, k].to(dev), t, t_next, t_guard=times[1], prev_sample=x_next)
         lp, lp_old = guard_log_ratio(x_next, out.mean, old.mean, out.std), torch.zeros_like(lp_old)
     lo = policy_loss(lp, lp_old, a, clip_eps=o.clip_eps, mean=out.mean, ref_mean=ref_mean, std=out.std,
                      kl_scale=out.kl_scale, beta=o.beta_kl, kl_mode=o.kl_mode)

@@ -67,8 +67,8 @@ class LoopConfig:
     guidance: float | None = None  #: CFG scale of rollout and update (1 = off; None = the model's ``guidance``, else 1)
     same_latent: bool = True  #: share the initial noise x_T within a group (docs/method.md §4)
     substeps: int = 2  #: T′, Euler substeps of the x̂0 estimate (1 = Tweedie; the paper: 5)
-    #: ceil(T′·t) substeps per state (about the same substep size everywhere; 3 seeds of the miniature: 0.461 vs
-    #: 0.444 held-out GenEval with T′ fixed, at 0.6x its cost); the paper's fixed T′: false (paper_base, mini_base)
+    #: ceil(T′·t) substeps per state (about the same substep size everywhere; measured: docs/results.md, "Why the
+    #: defaults"); the paper's fixed T′: false (paper_base, mini_base)
     adaptive_substeps: bool = True
     estimate_chunk: int | None = None  #: max states per estimate call (memory)
     decode_chunk: int | None = None  #: max latents per VAE decode call
@@ -495,7 +495,7 @@ class PretrainConfig:
 
     seed: int = 0  #: seed of the weights' init, the data stream and the evaluations' noise
     out_dir: str | None = None  #: null = the Hydra run dir
-    torch_threads: int | None = 1  #: 1 thread: on a shared 2-core machine, 2 OpenMP threads under load are ~10x slower
+    torch_threads: int | None = 1  #: torch CPU threads (one per process: docs/results.md, "Why the defaults")
     finalize_only: str | None = None  #: a finished run dir: only re-score, select (and export) its checkpoints
     resume: str | None = None  #: a Lightning checkpoint (<run dir>/checkpoints/last.ckpt) to continue from
     export: bool = False  #: write the selected checkpoint (+ model card) to export_dir
@@ -582,12 +582,11 @@ class Limits:
     max_body_mb: float = 256.0  #: request body (base64 JSON), from Content-Length, checked before the body is read
     max_images: int | float = 256  #: images per request (clients split batches by reward.request_batch_size, 64)
     #: width x height of one image (2048^2), read from its PNG/JPEG header before decoding. The reward lock is held
-    #: while a request is scored, and that grows with its pixels: shapes_geneval judges ~1 s per megapixel of noisy
-    #: samples on one CPU core (a 4096^2 image held the lock 15-22 s); 2048^2 keeps one image to 3-4 s (1024^2:
-    #: under 1 s)
+    #: while a request is scored, which grows with its pixels; this bounds one image's share (docs/results.md,
+    #: "Why the defaults")
     max_image_pixels: int | float = 2048 * 2048
     #: all images of one request (64 x 1024^2; 768 MB once decoded to float32); also bounds how long one request
-    #: holds the reward lock (64 Mpx of noise: ~1 min of shapes_geneval)
+    #: holds the reward lock
     max_request_pixels: int | float = 64 * 1024**2
     decode_workers: int | float = 2  #: requests decoded at the same time (the reward lock is never held while decoding)
     max_inflight: int | float = 16  #: requests handled at the same time; more answer 503 (clients retry)

@@ -144,7 +144,7 @@ def balance_records(records: list[dict[str, Any]], key: str, field: str = "data.
     return [r for r in records for _ in range(max(1, round(n_max / counts[r[key]])))]
 
 
-class GroupSampler:
+class PromptPlanner:
     """Draws ``prompts_per_iter`` prompts × ``group_size`` samples per iteration from a prompt list.
 
     Prompts are drawn without replacement within an epoch over the prompt list (reshuffled each epoch), seeded by

@@ -116,7 +116,7 @@ def load_records(cfg: DictConfig | EvaluateConfig) -> list[dict[str, Any]]:
 
 def evaluate(cfg: DictConfig | EvaluateConfig, out_dir: str | Path) -> dict[str, float]:
     """Run the evaluation described by ``cfg`` and write its outputs to ``out_dir``; returns the table."""
-    from stepflow.evaluation import evaluate_geneval, format_table, save_category_grids
+    from stepflow.heldout import evaluate_geneval, format_table, save_category_grids
     from stepflow.rewards.shapes_geneval import judge_batch
 
     cfg = settings(cfg)  # every setting checked before anything is written or loaded

@@ -18,7 +18,7 @@ import torch
 from stepflow.advantage import AdvantageConfig, AdvantageEstimator
 from stepflow.algorithm import Learner, iteration, iteration_metrics
 from stepflow.config import EmaConfig, EvalConfig, LoopConfig, TrainConfig
-from stepflow.data import GroupSampler
+from stepflow.data import PromptPlanner
 from stepflow.dist import Dist
 from stepflow.ema import ParamEMA
 from stepflow.errors import RewardServiceError, StopRequested
@@ -43,7 +43,7 @@ class GRPOModule(L.LightningModule):
     """
 
     def __init__(self, policy: FlowPolicy, reward: Reward, sampler: SamplerConfig, advantage: AdvantageConfig,
-                 plan: GroupSampler, eval_records: list[dict], loop: LoopConfig, train: TrainConfig,
+                 plan: PromptPlanner, eval_records: list[dict], loop: LoopConfig, train: TrainConfig,
                  eval_cfg: EvalConfig, ema: EmaConfig, run_dir: str | Path = ".", window=None):
         super().__init__()
         self.automatic_optimization = False
@@ -205,21 +205,21 @@ class GRPOModule(L.LightningModule):
 
     def iterate(self) -> dict[str, float]:
         """Run one GRPO iteration (also without a Trainer); returns its metrics (also logged)."""
-        lr = self.learner
-        lr.dist = Dist.from_module(self)
-        if lr.optimizer is None or self._trainer is not None:
-            lr.optimizer = self.optimizers() if self._trainer is not None else self._own_optimizer()
-        if lr.dist.manual_grad_sync:  # gradients are all-reduced by hand: DDP's reducer stays off
+        learner = self.learner
+        learner.dist = Dist.from_module(self)
+        if learner.optimizer is None or self._trainer is not None:
+            learner.optimizer = self.optimizers() if self._trainer is not None else self._own_optimizer()
+        if learner.dist.manual_grad_sync:  # gradients are all-reduced by hand: DDP's reducer stays off
             model = getattr(self.trainer.strategy, "model", None)
             if model is not None and hasattr(model, "require_backward_grad_sync"):
                 model.require_backward_grad_sync = False
-        res = iteration(lr, self.iteration)
-        if self.loop.dump_trajectories and lr.dist.rank == 0:
+        res = iteration(learner, self.iteration)
+        if self.loop.dump_trajectories and learner.dist.rank == 0:
             d = self.run_dir / "trajectories"
             d.mkdir(parents=True, exist_ok=True)
             torch.save({"rewards": res.rewards, "advantages": res.advantages.advantages,
                         "group_ids": res.plan.group_ids, "prompts": res.plan.prompts}, d / f"iter_{self.iteration:04d}.pt")
-        m = iteration_metrics(res, lr.dist)
+        m = iteration_metrics(res, learner.dist)
         self.iteration += 1
         self.nfe_total += int(m["cost/nfe"])
         self.reward_images_total += int(m["cost/reward_images"])
@@ -237,7 +237,7 @@ class GRPOModule(L.LightningModule):
     @torch.no_grad()
     def run_evaluation(self) -> dict[str, float]:
         """Held-out prompts, ODE sampling, EMA weights; logs eval/<reward> (+ eval/geneval*) and writes a grid."""
-        from stepflow.evaluation import balanced_subset, evaluate_reward, save_grid
+        from stepflow.heldout import balanced_subset, evaluate_reward, save_grid
 
         dist = Dist.from_module(self)  # every rank samples and scores its share of the prompts
         e = self.eval_cfg

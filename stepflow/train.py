@@ -172,7 +172,7 @@ def settings(cfg: DictConfig) -> Settings:
 
 def build_module(cfg: DictConfig, run_dir: Path):
     """Everything but the Trainer: policy (+LoRA), reward, advantage, sampler, group sampler, eval prompts."""
-    from stepflow.data import GroupSampler, load_prompt_file
+    from stepflow.data import PromptPlanner, load_prompt_file
     from stepflow.grpo import GRPOModule
 
     s = settings(cfg)
@@ -186,7 +186,7 @@ def build_module(cfg: DictConfig, run_dir: Path):
     same_latent = loop.same_latent if advantage.same_latent is None else advantage.same_latent
     train_records = load_prompt_file(s.data.train_file, "data.train_file")
     eval_records = load_prompt_file(s.data.eval_file, "data.eval_file")
-    plan = GroupSampler(train_records, loop.prompts_per_iter, loop.group_size, seed=loop.seed,
+    plan = PromptPlanner(train_records, loop.prompts_per_iter, loop.group_size, seed=loop.seed,
                         same_latent=same_latent, balance_by=s.data.balance_by)
     torch.manual_seed(loop.seed)
     policy = build_policy(cfg)

@@ -39,16 +39,16 @@ def test_a_window_rolls_out_with_the_ode_outside_and_trains_only_inside(tmp_path
 
     module = build_module(compose_config("train", ["experiment=smoke", "sampler=flow_sde", "train.train_steps=null",
                                                    "window=fixed", "window.start=1", "window.size=2"]), tmp_path)
-    lr = module.learner
-    lr.optimizer = module._own_optimizer()
-    plan = lr.plan.plan(0)
-    traj = rollout(lr.policy, plan, lr.sampler, 4, 1.0, sde_steps=[1, 2])
+    learner = module.learner
+    learner.optimizer = module._own_optimizer()
+    plan = learner.plan.plan(0)
+    traj = rollout(learner.policy, plan, learner.sampler, 4, 1.0, sde_steps=[1, 2])
     assert traj.trainable[:, [1, 2]].all() and not traj.trainable[:, [0, 3]].any()
     assert float(traj.log_probs[:, [0, 3]].abs().max()) == 0.0
     # step 0 is the ODE's: X_1 = X_0 - dt v(X_0)
     v0 = traj.velocities[:, 0]
     torch.testing.assert_close(traj.latents[:, 1], traj.latents[:, 0] - (traj.times[0] - traj.times[1]) * v0)
-    res = iteration(lr, 0)
+    res = iteration(learner, 0)
     assert res.update["train/steps_trained"] == 2.0
 
 
@@ -195,16 +195,16 @@ def test_grad_rms_update_combines_each_steps_gradient_at_the_rms_norm(tmp_path, 
     module = build_module(compose_config("train", ["experiment=smoke", "sampler=flow_sde", "train.train_steps=null",
                                                    "train.weighting=grad_rms", "train.max_grad_norm=0",
                                                    "reward=pickscore_tiny"]), tmp_path)
-    lr = module.learner
-    traj = rollout(lr.policy, lr.plan.plan(0), lr.sampler, 4, 1.0)
+    learner = module.learner
+    traj = rollout(learner.policy, learner.plan.plan(0), learner.sampler, 4, 1.0)
     adv = torch.randn(traj.batch_size, 4, generator=torch.Generator().manual_seed(1))
-    params = list(lr.policy.trainable_parameters())
+    params = list(learner.policy.trainable_parameters())
     steps = [0, 1, 2]
     rows = torch.arange(traj.batch_size)
-    lr.policy.train()
+    learner.policy.train()
     ref_g = []
     for k in steps:
-        gs = torch.autograd.grad(step_loss(lr, traj, adv, k, rows, traj.times)["loss"], params, allow_unused=True)
+        gs = torch.autograd.grad(step_loss(learner, traj, adv, k, rows, traj.times)["loss"], params, allow_unused=True)
         ref_g.append(torch.cat([(x if x is not None else torch.zeros_like(p)).flatten() for x, p in zip(gs, params)]))
     norms = torch.stack([g.norm() for g in ref_g]).double()
     rms = norms.pow(2).mean().sqrt()
@@ -218,9 +218,9 @@ def test_grad_rms_update_combines_each_steps_gradient_at_the_rms_norm(tmp_path, 
         def step(self):
             self.g = torch.cat([p.grad.flatten() for p in params]).double()
 
-    lr.optimizer = Capture()
-    update(lr, traj, adv, None, 0, steps)
-    torch.testing.assert_close(lr.optimizer.g, want, rtol=1e-4, atol=1e-9)
+    learner.optimizer = Capture()
+    update(learner, traj, adv, None, 0, steps)
+    torch.testing.assert_close(learner.optimizer.g, want, rtol=1e-4, atol=1e-9)
 
 
 def test_auto_train_steps_log_and_checkpoint_the_signal(tmp_path, monkeypatch):

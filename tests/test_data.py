@@ -1,4 +1,4 @@
-"""Prompt plans: GroupSampler (determinism, sampling without replacement, category balancing, sharding)."""
+"""Prompt plans: PromptPlanner (determinism, sampling without replacement, category balancing, sharding)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import collections
 
 import pytest
 
-from stepflow.data import GroupSampler, balance_records, load_prompt_file
+from stepflow.data import PromptPlanner, balance_records, load_prompt_file
 from stepflow.errors import PromptFileError
 from stepflow.shapes import prompt_file
 
@@ -17,15 +17,15 @@ def _records(counts: dict[str, int]) -> list[dict]:
 
 def test_plan_is_a_pure_function_of_seed_and_iteration():
     recs = _records({"a": 7, "b": 5})
-    s1, s2 = GroupSampler(recs, 3, 4, seed=5), GroupSampler(recs, 3, 4, seed=5)
+    s1, s2 = PromptPlanner(recs, 3, 4, seed=5), PromptPlanner(recs, 3, 4, seed=5)
     assert s1.plan(9).prompts == s2.plan(9).prompts
     assert s1.plan(9).step_noise_seeds.tolist() == s2.plan(9).step_noise_seeds.tolist()
-    assert s1.plan(9).prompts != GroupSampler(recs, 3, 4, seed=6).plan(9).prompts or s1.plan(8).prompts != s1.plan(9).prompts
+    assert s1.plan(9).prompts != PromptPlanner(recs, 3, 4, seed=6).plan(9).prompts or s1.plan(8).prompts != s1.plan(9).prompts
 
 
 def test_without_replacement_within_an_epoch():
     recs = _records({"a": 12})
-    s = GroupSampler(recs, 4, 2, seed=0)
+    s = PromptPlanner(recs, 4, 2, seed=0)
     drawn = [p for it in range(3) for p in s.plan(it).prompts[::2]]  # 3 iterations x 4 prompts = one epoch of 12
     assert sorted(drawn) == sorted(r["prompt"] for r in recs)
 
@@ -40,8 +40,8 @@ def test_balance_records_repeats_small_categories():
 
 def test_balanced_sampler_draws_categories_about_equally_on_the_shapes_train_file():
     recs = load_prompt_file(prompt_file("train"))
-    plain = GroupSampler(recs, 8, 2, seed=0)
-    bal = GroupSampler(recs, 8, 2, seed=0, balance_by="category")
+    plain = PromptPlanner(recs, 8, 2, seed=0)
+    bal = PromptPlanner(recs, 8, 2, seed=0, balance_by="category")
     iters = 100  # 800 prompts ~ one epoch of the balanced list
 
     def freq(s):
@@ -55,12 +55,12 @@ def test_balanced_sampler_draws_categories_about_equally_on_the_shapes_train_fil
 
 def test_balance_by_a_missing_key_is_a_one_line_error():
     with pytest.raises(PromptFileError, match=r"data.balance_by: prompt record 0 has no key 'tag'"):
-        GroupSampler(_records({"a": 3}), 2, 2, balance_by="tag")
+        PromptPlanner(_records({"a": 3}), 2, 2, balance_by="tag")
 
 
 def test_shards_partition_the_global_plan():
     recs = _records({"a": 9})
-    plan = GroupSampler(recs, 4, 4, seed=1).plan(3)
+    plan = PromptPlanner(recs, 4, 4, seed=1).plan(3)
     parts = [plan.shard(r, 2) for r in range(2)]
     assert parts[0].prompts + parts[1].prompts == plan.prompts
     assert parts[0].step_noise_seeds.tolist() + parts[1].step_noise_seeds.tolist() == plan.step_noise_seeds.tolist()

@@ -347,7 +347,7 @@ def test_a_quoted_run_dir_with_equals_signs_is_read(tmp_path):
 
 def test_non_finite_held_out_scores_are_counted_and_never_logged(tmp_path):
     """Evaluation: NaN / inf scores are left out of eval/<reward> and counted as eval/nonfinite_rewards."""
-    from stepflow.evaluation import evaluate_reward
+    from stepflow.heldout import evaluate_reward
     from stepflow.train import build_module
 
     module = build_module(compose_config("train", ["experiment=smoke"]), tmp_path)
@@ -362,7 +362,7 @@ def test_non_finite_held_out_scores_are_counted_and_never_logged(tmp_path):
 
 
 def _images_and_prompts(module, recs):
-    from stepflow.evaluation import sample_ode
+    from stepflow.heldout import sample_ode
 
     prompts = [r["prompt"] for r in recs]
     return sample_ode(module.policy, prompts, num_steps=2), prompts, recs

@@ -1,4 +1,4 @@
-"""Reusable evaluation pieces (no Hydra): deterministic ODE sampling, the GenEval table, sample grids (a saved LoRA
+"""The held-out evaluation, reusable (no Hydra): deterministic ODE sampling, the GenEval table, sample grids (a saved LoRA
 loads with :func:`stepflow.policies.base.read_lora`).
 
 Used by ``python -m stepflow.evaluate``, by pretraining's periodic evaluation and by the GRPO loop's evaluation.
@@ -141,7 +141,7 @@ def evaluate_reward(policy: FlowPolicy, reward, records: Sequence[dict[str, Any]
         res["eval/nonfinite_rewards"] = float((~finite).sum())
         import logging
 
-        logging.getLogger("stepflow.evaluation").warning(
+        logging.getLogger("stepflow.heldout").warning(
             "%d of %d held-out samples got a non-finite %s score: left out of eval/%s (eval/nonfinite_rewards)",
             int((~finite).sum()), n, reward.name, reward.name)
     if strict:
