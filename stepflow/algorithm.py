@@ -539,7 +539,7 @@ def step_gradients(learner: Learner, traj: Trajectory, adv: Tensor, steps: Seque
 
 
 def iteration_metrics(res: IterationResult, world: int | Dist) -> dict[str, float]:
-    """The metrics of one iteration (names in the README): rewards per step, advantages, update diagnostics,
+    """The metrics of one iteration (names in docs/guide.md): rewards per step, advantages, update diagnostics,
     seconds and NFEs per phase, images scored (counts summed over ranks: ``world`` = the Dist of the ranks, or a
     world size to multiply this rank's counts by). Every rank must call it when given a Dist."""
     r = res.rewards[res.finite]  # the dropped rows' NaN / inf never reach a logged mean

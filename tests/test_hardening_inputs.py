@@ -14,11 +14,11 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from conftest import ROOT, compose_config, run_cli
 from test_hardening import _evil, _one_line_error
 
 from stepflow.cli import CONF_DIR
 from stepflow.errors import StepflowError
+from stepflow.testing.harness import ROOT, compose_config, run_cli
 
 
 # ------------------------------------------------------------------------------------------------ checkpoints
@@ -293,13 +293,13 @@ def test_guidance_inf_through_build_policy_is_one_line(tmp_path, monkeypatch):
 # ------------------------------------------------------------------------------------------------ tiny configs
 TINY_OF = {"sd3_tiny": "sd35_medium", "sd35_large_tiny": "sd35_large", "flux_tiny": "flux_dev",
            "flux_schnell_tiny": "flux_schnell", "qwen_image_tiny": "qwen_image"}
-README_KEYS = ("path", "transformer_path", "estimate_vae", "finetune")  # every `model.<key>=` README.md mentions
+README_KEYS = ("path", "transformer_path", "estimate_vae", "finetune")  # every `model.<key>=` README.md / docs/guide.md mention
 
 
 def test_the_readme_names_only_keys_this_test_knows():
     import re
 
-    said = set(re.findall(r"\bmodel\.(\w+)=", (ROOT / "README.md").read_text()))
+    said = set(re.findall(r"\bmodel\.(\w+)=", "".join((ROOT / f).read_text() for f in ("README.md", "docs/guide.md"))))
     assert said <= set(README_KEYS), said - set(README_KEYS)
 
 
