@@ -1,5 +1,22 @@
-"""Test-wide settings and fixtures: never touch the network, keep torch deterministic and small, compose the Hydra
-configs and run the entry points the way a user does."""
+"""Test-wide settings and fixtures only (nothing here is imported by a test module; the helpers they import live in
+:mod:`stepflow.testing.harness`): never touch the network, keep torch deterministic and small, build the tiny models
+once per run, compose the Hydra configs and run the entry points the way a user does.
+
+Fixtures:
+
+- ``root``: the checkout (:data:`stepflow.testing.harness.ROOT`);
+- ``compose(config_name, overrides)``: the one Hydra composition (:func:`stepflow.testing.harness.compose_config`);
+- ``cli(module, *args)``: an entry point (``stepflow.train`` / ``evaluate`` / ``pretrain`` / ``serve_reward``) run
+  in-process with that command line, its exit status and output captured (``.returncode``, ``.stdout``, ``.stderr``);
+- ``run_module(module, *args)``: the same in a subprocess (one test per entry point, and the multi-process tests);
+- ``tiny_pipeline(kind)``: a tiny random diffusers pipeline folder (``sd3``, ``sd35_large``, ``flux_dev``,
+  ``flux_schnell``, ``qwen_image``) built once per test run; ``tiny_clip_dir``: the tiny CLIP / PickScore folder;
+- ``http_server(handler)``: the one fake HTTP server (:class:`stepflow.testing.harness.FakeHTTPServer`), stopped at
+  the end of the test.
+
+Every test runs with ``STEPFLOW_CACHE`` pointing at one folder of this run (shared by the xdist workers), so
+``model=*_tiny`` builds each tiny pipeline once per run and never writes into ``~/.cache``.
+"""
 
 import os
 
@@ -9,23 +26,12 @@ os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
-import subprocess  # noqa: E402
-import sys  # noqa: E402
-from pathlib import Path  # noqa: E402
-
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+from stepflow.testing import harness  # noqa: E402
+
 torch.set_num_threads(1)  # tiny models: one thread is faster and steadier on a shared 2-core machine
-
-ROOT = Path(__file__).resolve().parent.parent
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_torch_thread():
-    """Every test module starts on one torch thread (a run in-process may have set ``torch_threads``)."""
-    torch.set_num_threads(1)
-    yield
 
 
 def pytest_collection_modifyitems(config, items):
@@ -38,42 +44,103 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _one_torch_thread():
+    """Every test module starts on one torch thread (a run in-process may have set ``torch_threads``)."""
+    torch.set_num_threads(1)
+    yield
+
+
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
     yield
 
 
-def compose_config(config_name: str = "train", overrides=(), return_hydra_config: bool = False):
-    """Compose ``stepflow/conf/<config_name>.yaml`` with ``overrides`` (as the entry point would, minus the run)."""
-    from hydra import compose, initialize_config_dir
-    from hydra.core.global_hydra import GlobalHydra
+@pytest.fixture(autouse=True, scope="session")
+def _stepflow_cache(tmp_path_factory, worker_id):
+    """``$STEPFLOW_CACHE``: one folder per test run, shared by the xdist workers (the builders write atomically), so
+    the tiny pipelines are built once per run, in-process and in the subprocesses alike."""
+    base = tmp_path_factory.getbasetemp()
+    cache = (base.parent if worker_id != "master" else base) / "stepflow-cache"
+    cache.mkdir(parents=True, exist_ok=True)
+    old = os.environ.get("STEPFLOW_CACHE")
+    os.environ["STEPFLOW_CACHE"] = str(cache)
+    yield cache
+    if old is None:
+        os.environ.pop("STEPFLOW_CACHE", None)
+    else:
+        os.environ["STEPFLOW_CACHE"] = old
 
-    from stepflow.cli import CONF_DIR
 
-    GlobalHydra.instance().clear()
-    try:
-        with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-            return compose(config_name=config_name, overrides=list(overrides), return_hydra_config=return_hydra_config)
-    finally:
-        GlobalHydra.instance().clear()
+@pytest.fixture(scope="session")
+def worker_id(request):
+    """The xdist worker (``gw0``...), ``master`` without xdist (xdist's own fixture when it is installed)."""
+    return getattr(request.config, "workerinput", {}).get("workerid", "master")
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")
+def root():
+    """The repository checkout."""
+    return harness.ROOT
+
+
+@pytest.fixture(scope="session")
 def compose():
-    """``compose(config_name, overrides)``: a composed config (see :func:`compose_config`)."""
-    return compose_config
-
-
-def run_cli(module: str, *args: str, timeout: int = 300, cwd: Path | str = ROOT, env: dict | None = None
-            ) -> subprocess.CompletedProcess:
-    """``python -m <module> <args>`` in a subprocess, offline, capturing its output."""
-    full_env = {**os.environ, "HF_HUB_OFFLINE": "1", "WANDB_MODE": "offline", **(env or {})}
-    return subprocess.run([sys.executable, "-m", module, *args], cwd=cwd, env=full_env, capture_output=True, text=True,
-                          timeout=timeout)
+    """``compose(config_name, overrides)``: a composed config (:func:`stepflow.testing.harness.compose_config`)."""
+    return harness.compose_config
 
 
 @pytest.fixture
-def cli():
-    """``cli(module, *args, timeout=...)``: run an entry point in a subprocess (see :func:`run_cli`)."""
-    return run_cli
+def cli(monkeypatch):
+    """``cli(module, *args, cwd=None, env=None)``: ``python -m <module> <args>`` run in this process
+    (:func:`stepflow.testing.harness.run_in_process`); returns ``.returncode``, ``.stdout``, ``.stderr``."""
+
+    def call(module: str, *args: str, cwd=None, env=None, timeout=None):  # noqa: ARG001 - timeout: as run_module
+        return harness.run_in_process(module, *args, cwd=cwd, env=env, monkeypatch=monkeypatch)
+
+    return call
+
+
+@pytest.fixture(scope="session")
+def run_module():
+    """``run_module(module, *args, timeout=300, cwd=ROOT, env=None)``: an entry point in a subprocess."""
+    return harness.run_module
+
+
+@pytest.fixture(scope="session")
+def tiny_pipeline(tmp_path_factory):
+    """``tiny_pipeline(kind)``: the folder of a tiny random diffusers pipeline, built (``save_tiny_*``) the first
+    time a test of this run asks for it. Kinds: :data:`stepflow.testing.harness.TINY_KINDS`."""
+    built = {}
+
+    def get(kind: str):
+        if kind not in built:
+            built[kind] = harness.save_tiny(kind, tmp_path_factory.mktemp(f"tiny_{kind}"))
+        return built[kind]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def tiny_clip_dir(tmp_path_factory):
+    """A tiny random CLIP (PickScore's layout) saved with ``save_pretrained``, built once per run."""
+    from stepflow.testing.tiny_rewards import build_tiny_clip
+
+    return str(build_tiny_clip(tmp_path_factory.mktemp("tiny_clip"), seed=0))
+
+
+@pytest.fixture
+def http_server():
+    """``http_server(handler, raw=False)``: a started :class:`stepflow.testing.harness.FakeHTTPServer` (``.url``,
+    ``.port``, ``.calls``), shut down after the test."""
+    servers = []
+
+    def start(handler, **kwargs):
+        srv = harness.FakeHTTPServer(handler, **kwargs).start()
+        servers.append(srv)
+        return srv
+
+    yield start
+    for srv in servers:
+        srv.stop()

@@ -15,10 +15,10 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import compose_config
 from omegaconf import OmegaConf
 
 from stepflow.cli import CONF_DIR
+from stepflow.testing.harness import compose_config
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "experiments"))

@@ -7,11 +7,11 @@ import math
 
 import pytest
 import torch
-from conftest import compose_config
 from torch import Tensor
 
 from stepflow.coherence import StepSignal, pair_sums, signal_fraction
 from stepflow.loss import gain_variance_weights, guard_log_ratio, noise_weights, rms_weights
+from stepflow.testing.harness import compose_config
 from stepflow.window import WindowConfig, window_steps
 
 

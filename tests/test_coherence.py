@@ -7,10 +7,10 @@ import math
 
 import pytest
 import torch
-from conftest import compose_config
 
 from stepflow.algorithm import step_gradients
 from stepflow.coherence import mean_pairwise_cosine, signal_fraction
+from stepflow.testing.harness import compose_config
 
 
 def test_cosine_closed_forms():

@@ -9,7 +9,6 @@ import re
 
 import pytest
 import yaml
-from conftest import compose_config
 from omegaconf import OmegaConf
 
 from stepflow.advantage import AdvantageConfig
@@ -28,6 +27,7 @@ from stepflow.config import (
 )
 from stepflow.errors import StepflowError
 from stepflow.sde import DEFAULT_LOGPROB, SamplerConfig
+from stepflow.testing.harness import compose_config
 from stepflow.window import WindowConfig
 
 GROUPS = ["model", "reward", "advantage", "sampler", "window", "data", "trainer", "logger", "experiment"]

@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import compose_config
+
+from stepflow.testing.harness import compose_config
 
 ROOT = Path(__file__).resolve().parents[1]
 

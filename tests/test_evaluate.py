@@ -4,11 +4,11 @@ import json
 
 import pytest
 import torch
-from conftest import compose_config
 
 from stepflow.heldout import balanced_subset, sample_ode, save_grid
 from stepflow.policies.base import read_lora
 from stepflow.policies.shapes import ShapesPolicy
+from stepflow.testing.harness import compose_config
 
 TINY = dict(num_layers=2, num_attention_heads=2, attention_head_dim=8, text_dim=16, text_layers=1, text_heads=2,
             pooled_dim=16, init="default")

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_rewards_clip import tiny_clip_dir  # noqa: F401 - fixture: a tiny CLIP saved with save_pretrained
 
 pytest.importorskip("diffusers")
 
@@ -259,7 +258,7 @@ def test_one_full_finetune_grpo_update(dirs, family):
 
 
 @pytest.mark.parametrize("beta_kl", [0.0, 0.04])
-def test_full_finetune_through_the_training_loop(tmp_path, monkeypatch, beta_kl, tiny_clip_dir):  # noqa: F811
+def test_full_finetune_through_the_training_loop(tmp_path, monkeypatch, beta_kl, tiny_clip_dir):
     """model.finetune=full end to end (python -m stepflow.train's run): every transformer weight is trained (no LoRA),
     the KL reference is the frozen initial transformer, checkpoints hold the trained weights, and the run writes the
     (EMA) transformer in diffusers format, which the pipeline's transformer class loads."""

@@ -12,10 +12,8 @@ from __future__ import annotations
 
 import io
 import pickle
-import threading
 import traceback
 from collections import defaultdict
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from io import BytesIO
 
 import numpy as np
@@ -24,6 +22,7 @@ import torch
 from PIL import Image
 
 from stepflow.errors import MalformedReplyError, RewardServiceError
+from stepflow.testing.harness import FakeHTTPServer, Reply
 
 LEVELS = [0, 64, 128, 191, 255]  # grey levels -> partial credit 0, .25, .5, .75, 1 (survives JPEG)
 TAGS = ["single_object", "two_object", "counting", "colors", "position", "color_attr"]
@@ -67,28 +66,13 @@ class GenEvalApp:
 
     def __init__(self, inference_fn=fake_geneval, reply=None):
         self.inference_fn, self.reply = inference_fn, reply
-        self.requests: list[dict] = []
-        outer = self
+        self.server = FakeHTTPServer(self._answer)
+        self.requests = self.server.calls  # {"path", "headers", "data"} of every request
+        self.url = self.server.url
 
-        class H(BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"
-
-            def log_message(self, *a):
-                pass
-
-            def do_POST(self):  # noqa: N802
-                data = self.rfile.read(int(self.headers["Content-Length"]))
-                outer.requests.append({"path": self.path, "headers": dict(self.headers), "data": data})
-                response, returncode = outer.reply(data) if outer.reply else outer.inference(data)
-                self.send_response(returncode)
-                self.send_header("Content-Type", "text/html; charset=utf-8")  # Flask's default for a bytes body
-                self.send_header("Content-Length", str(len(response)))
-                self.end_headers()
-                self.wfile.write(response)
-
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), H)
-        self.httpd.daemon_threads = True
-        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+    def _answer(self, n, path, headers, data):
+        response, returncode = self.reply(data) if self.reply else self.inference(data)
+        return Reply(returncode, response, "text/html; charset=utf-8")  # Flask's default for a bytes body
 
     def inference(self, data):
         # ---- app_geneval.py inference(), verbatim but for the print()s and Flask's request object
@@ -110,12 +94,11 @@ class GenEvalApp:
         return response, returncode
 
     def __enter__(self):
-        threading.Thread(target=self.httpd.serve_forever, args=(0.05,), daemon=True).start()
+        self.server.start()
         return self
 
     def __exit__(self, *exc):
-        self.httpd.shutdown()
-        self.httpd.server_close()
+        self.server.stop()
 
 
 def batch(n: int, tag_of=lambda i: TAGS[i % len(TAGS)]):

@@ -14,7 +14,8 @@ import os
 from pathlib import Path
 
 import pytest
-from conftest import run_cli
+
+from stepflow.testing.harness import run_cli
 
 GOLDEN = Path(__file__).resolve().parent / "golden" / "train_3it.json"
 ARGS = ["loop.iterations=3", "eval.every=0", "eval.max_prompts=48"]

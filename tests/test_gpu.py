@@ -17,7 +17,8 @@ import csv
 import importlib.util
 
 import pytest
-from conftest import run_cli
+
+from stepflow.testing.harness import run_cli
 
 pytestmark = pytest.mark.gpu
 
@@ -53,7 +54,7 @@ def test_one_gain_iteration_of_each_full_size_random_model(tmp_path, model, fine
     import subprocess
     import sys
 
-    from conftest import ROOT
+    from stepflow.testing.harness import ROOT
 
     out = tmp_path / "gc.json"
     r = subprocess.run([sys.executable, str(ROOT / "experiments" / "gpu_check.py"), "--runs", f"{model}:{finetune}",

@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT, compose_config, run_cli
 
 from stepflow.testing import random_policies as rf
+from stepflow.testing.harness import ROOT, compose_config, run_cli
 
 FAMILY_POLICY = {"sd35_medium": "SD3Policy", "sd35_large": "SD3Policy", "flux_dev": "FluxPolicy",
                  "qwen_image": "QwenImagePolicy"}

@@ -14,16 +14,14 @@ import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT, compose_config, run_cli
 
 from stepflow.errors import StepflowError
+from stepflow.testing.harness import ROOT, compose_config, run_cli
 
 
 def _one_line_error(r: subprocess.CompletedProcess, needle: str) -> str:
@@ -134,26 +132,13 @@ def test_a_signal_checkpoints_prints_the_resume_command_and_exits_non_zero(tmp_p
     assert len(_train_rows(run_dir)) == done + 1
 
 
-class _Hanging(BaseHTTPRequestHandler):
-    """A reward service that accepts requests and never answers."""
-
-    def do_POST(self):  # noqa: N802
-        self.rfile.read(int(self.headers.get("Content-Length", 0)))
-        time.sleep(600)
-
-    def log_message(self, *args):
-        pass
-
-
 @pytest.mark.slow
-def test_sigterm_interrupts_a_hanging_reward_call(tmp_path):
+def test_sigterm_interrupts_a_hanging_reward_call(tmp_path, http_server):
     """A reward call that hangs (timeout 600 s) does not hold the run: SIGTERM ends it within seconds."""
-    server = ThreadingHTTPServer(("127.0.0.1", 0), _Hanging)
-    server.daemon_threads = True
-    threading.Thread(target=server.serve_forever, daemon=True).start()
+    server = http_server(None)  # a reward service that accepts requests and never answers
     try:
         run_dir = tmp_path / "run"
-        proc = _start(run_dir, "reward=remote", f"reward.url=http://127.0.0.1:{server.server_address[1]}",
+        proc = _start(run_dir, "reward=remote", f"reward.url={server.url}",
                       "reward.timeout_s=600", "reward.max_retries=0", "reward.progress_every_s=1")
         deadline = time.monotonic() + 120
         while not (run_dir / "config.yaml").is_file() and time.monotonic() < deadline:
@@ -167,7 +152,7 @@ def test_sigterm_interrupts_a_hanging_reward_call(tmp_path):
         _one_line_error(subprocess.CompletedProcess([], proc.returncode, out, err), "stopped by SIGTERM")
         assert "waiting" in out + err  # progress of the slow call was visible before the signal (logged)
     finally:
-        server.shutdown()
+        server.stop()
 
 
 # ------------------------------------------------------------------------------------------------ one-line errors

@@ -17,11 +17,11 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import compose_config, run_cli
 from omegaconf import OmegaConf
 
 from stepflow.cli import check_finite, first_non_finite
 from stepflow.errors import StepflowError
+from stepflow.testing.harness import compose_config, run_cli
 
 
 def _settings(*overrides: str):

@@ -334,21 +334,15 @@ def test_rollout_on_the_policys_grid(policies):
 
 
 # ---------------------------------------------------------------------------------------------------- config, errors
-def test_tiny_configs_build_into_cache_and_load(tmp_path, monkeypatch):
+def test_tiny_configs_build_into_cache_and_load(tmp_path, monkeypatch, compose):
     import hydra.utils
-    from hydra import compose, initialize_config_dir
-    from hydra.core.global_hydra import GlobalHydra
-
-    from stepflow.cli import CONF_DIR
 
     monkeypatch.setenv("STEPFLOW_CACHE", str(tmp_path))
     pol = tiny_flux_policy(max_sequence_length=SEQ)
     assert (tmp_path / "flux_dev_tiny-v1-s0" / "model_index.json").is_file()
     assert isinstance(pol, FluxPolicy) and pol.embedded_guidance == GUIDANCE
     for name, guidance in (("flux_tiny", GUIDANCE), ("flux_schnell_tiny", None)):
-        GlobalHydra.instance().clear()
-        with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-            cfg = compose(config_name="train", overrides=[f"model={name}", "lora.rank=4"])
+        cfg = compose("train", [f"model={name}", "lora.rank=4"])
         kwargs, lora = OmegaConf.to_container(cfg.model, resolve=True), OmegaConf.to_container(cfg.lora)
         pol = hydra.utils.instantiate(kwargs, _convert_="all")
         assert isinstance(pol, FluxPolicy) and pol.embedded_guidance == guidance

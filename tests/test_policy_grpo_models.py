@@ -11,7 +11,6 @@ import csv
 import math
 
 import pytest
-from test_rewards_clip import tiny_clip_dir  # noqa: F401 - fixture: a tiny CLIP saved with save_pretrained
 
 pytest.importorskip("diffusers")
 
@@ -38,7 +37,7 @@ def run_one_iteration(run_dir, *overrides):
 
 @pytest.mark.parametrize("advantage", ["gain", "uniform"])
 @pytest.mark.parametrize("model", list(MODELS))
-def test_one_grpo_iteration(tmp_path, tiny_clip_dir, model, advantage, monkeypatch):  # noqa: F811
+def test_one_grpo_iteration(tmp_path, tiny_clip_dir, model, advantage, monkeypatch):
     import diffusers
 
     from stepflow.testing import tiny_policies as tiny

@@ -215,17 +215,11 @@ def test_bf16_time_reaches_the_embedding_in_fp32(tiny_dir):
         pol.encode(["never seen"])
 
 
-def test_tiny_config_builds_into_cache_and_loads(tmp_path, monkeypatch):
+def test_tiny_config_builds_into_cache_and_loads(tmp_path, monkeypatch, compose):
     import hydra.utils
-    from hydra import compose, initialize_config_dir
-    from hydra.core.global_hydra import GlobalHydra
-
-    from stepflow.cli import CONF_DIR
 
     monkeypatch.setenv("STEPFLOW_CACHE", str(tmp_path))
-    GlobalHydra.instance().clear()
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        cfg = compose(config_name="train", overrides=["model=qwen_image_tiny", "lora.rank=4"])
+    cfg = compose("train", ["model=qwen_image_tiny", "lora.rank=4"])
     kwargs, lora = OmegaConf.to_container(cfg.model, resolve=True), OmegaConf.to_container(cfg.lora)
     pol = hydra.utils.instantiate(kwargs, _convert_="all")
     assert (tmp_path / "qwen_image_tiny-v1-s0" / "model_index.json").is_file()

@@ -9,6 +9,7 @@ import torch
 pytest.importorskip("diffusers")
 
 from stepflow.policies.sd3 import SD3Policy  # noqa: E402
+from stepflow.testing.harness import compose_config  # noqa: E402
 from stepflow.testing.tiny_policies import TINY_HEIGHT, save_tiny_sd3  # noqa: E402
 
 PROMPTS = ["a photo of a cat", "a red dog on the square"]
@@ -22,14 +23,7 @@ def tiny_dir(tmp_path_factory):
 
 
 def _compose(*overrides):
-    from hydra import compose, initialize_config_dir
-    from hydra.core.global_hydra import GlobalHydra
-
-    from stepflow.cli import CONF_DIR
-
-    GlobalHydra.instance().clear()
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        return compose(config_name="train", overrides=list(overrides))
+    return compose_config("train", overrides)
 
 
 @torch.no_grad()

@@ -4,9 +4,9 @@ import json
 
 import pytest
 import torch
-from conftest import compose_config
 
 from stepflow.pretrain import ShapesStream, flow_matching_loss, sample_t, select_checkpoint
+from stepflow.testing.harness import compose_config
 
 
 def test_stream_batches():

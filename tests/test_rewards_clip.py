@@ -20,13 +20,6 @@ def _clip_tokenizer():
 
 
 @pytest.fixture(scope="module")
-def tiny_clip_dir(tmp_path_factory):
-    from stepflow.testing.tiny_rewards import build_tiny_clip
-
-    return str(build_tiny_clip(tmp_path_factory.mktemp("tiny_clip"), seed=0))
-
-
-@pytest.fixture(scope="module")
 def images():
     g = torch.Generator().manual_seed(1)
     return torch.rand(len(PROMPTS), 3, 40, 48, generator=g)  # non-square: exercises resize + center crop

@@ -12,7 +12,6 @@ import io
 import json
 import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import numpy as np
 import pytest
@@ -22,49 +21,19 @@ from PIL import Image
 from stepflow.errors import MalformedReplyError, RewardServiceError
 from stepflow.rewards.base import Reward, RewardOut
 from stepflow.rewards.loading import to_uint8
+from stepflow.testing.harness import FakeHTTPServer
 
 
-class FakeServer:
-    """A programmable JSON server: ``behave(n, path, headers, body) -> (status, obj_or_bytes, delay_s)``."""
+class FakeServer(FakeHTTPServer):
+    """The shared fake server speaking JSON: ``behave(n, path, headers, body) -> (status, obj_or_bytes, delay_s)``;
+    ``calls[i]["body"]``: the request's JSON."""
 
     def __init__(self, behave):
-        self.calls: list[dict] = []
-        outer = self
+        def handler(n, path, headers, data):
+            self.calls[n]["body"] = json.loads(data)
+            return behave(n, path, headers, self.calls[n]["body"])
 
-        class H(BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"
-
-            def log_message(self, *a):
-                pass
-
-            def do_POST(self):  # noqa: N802
-                body = self.rfile.read(int(self.headers["Content-Length"]))
-                n = len(outer.calls)
-                outer.calls.append({"path": self.path, "headers": dict(self.headers), "body": json.loads(body)})
-                status, obj, delay = behave(n, self.path, self.headers, json.loads(body))
-                time.sleep(delay)
-                data = obj if isinstance(obj, bytes) else json.dumps(obj).encode()
-                try:
-                    self.send_response(status)
-                    self.send_header("Content-Type", "application/json")
-                    self.send_header("Content-Length", str(len(data)))
-                    self.end_headers()
-                    self.wfile.write(data)
-                except (BrokenPipeError, ConnectionResetError):
-                    pass
-
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), H)
-        self.httpd.daemon_threads = True
-        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
-        self.thread = threading.Thread(target=self.httpd.serve_forever, args=(0.05,), daemon=True)
-
-    def __enter__(self):
-        self.thread.start()
-        return self
-
-    def __exit__(self, *exc):
-        self.httpd.shutdown()
-        self.httpd.server_close()
+        super().__init__(handler)
 
 
 def _decode(b64: str) -> np.ndarray:
@@ -295,23 +264,19 @@ def test_serve_reward_failure_is_a_500():
         srv.server_close()
 
 
-def test_serve_reward_config_composes():
+def test_serve_reward_config_composes(compose):
     """conf/serve_reward.yaml + a reward group option builds; the reward option is mandatory."""
-    from hydra import compose, initialize_config_dir
     from hydra.errors import ConfigCompositionException
 
-    from stepflow.cli import CONF_DIR
     from stepflow.rewards.ocr import OCRReward
     from stepflow.rewards.registry import build_reward
 
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        cfg = compose("serve_reward", overrides=["reward=ocr", "reward.engine=builtins:str", "port=0"])
-        with pytest.raises(ConfigCompositionException, match="You must specify 'reward'"):
-            compose("serve_reward")
+    cfg = compose("serve_reward", ["reward=ocr", "reward.engine=builtins:str", "port=0"])
+    with pytest.raises(ConfigCompositionException, match="You must specify 'reward'"):
+        compose("serve_reward")
     assert cfg.host == "127.0.0.1" and cfg.port == 0
     assert isinstance(build_reward(cfg.reward), OCRReward)
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        g = compose("serve_reward", overrides=["reward=geneval_server"]).reward
+    g = compose("serve_reward", ["reward=geneval_server"]).reward
     assert g.url == "http://127.0.0.1:18085" and g._target_ == "stepflow.rewards.remote.RemoteReward"
 
 

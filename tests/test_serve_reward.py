@@ -22,12 +22,12 @@ import zlib
 import numpy as np
 import pytest
 import torch
-from conftest import run_cli
 from PIL import Image, ImageFile
 
 from stepflow.errors import StepflowError
 from stepflow.rewards.base import Reward, RewardOut
 from stepflow.rewards.loading import to_uint8
+from stepflow.testing.harness import run_cli
 
 FEW_S = 5.0  # "answers within a few seconds" on a shared 2-core machine
 
@@ -378,18 +378,13 @@ def test_json_error_for_http_server_errors():
 # ---------------------------------------------------------------- config
 
 
-def test_limits_come_from_the_config():
-    from hydra import compose, initialize_config_dir
-
-    from stepflow.cli import CONF_DIR
+def test_limits_come_from_the_config(compose):
     from stepflow.serve_reward import Limits, limits_from_config
 
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        cfg = compose("serve_reward", overrides=["reward=shapes_geneval", "max_image_pixels=4096", "max_images=3"])
+    cfg = compose("serve_reward", ["reward=shapes_geneval", "max_image_pixels=4096", "max_images=3"])
     lim = limits_from_config(cfg)
     assert lim.max_image_pixels == 4096 and lim.max_images == 3
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        cfg = compose("serve_reward", overrides=["reward=shapes_geneval"])
+    cfg = compose("serve_reward", ["reward=shapes_geneval"])
     assert limits_from_config(cfg) == Limits()  # the yaml and the dataclass defaults agree
     assert Limits().max_image_pixels < Image.MAX_IMAGE_PIXELS  # our check comes before PIL's
 

@@ -20,7 +20,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT, run_cli
+
+from stepflow.testing.harness import ROOT, run_cli
 
 pytestmark = pytest.mark.slow
 

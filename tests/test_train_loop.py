@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import compose_config, run_cli
+
+from stepflow.testing.harness import compose_config, run_cli
 
 
 def make_cfg(*overrides: str):

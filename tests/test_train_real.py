@@ -6,12 +6,11 @@ from __future__ import annotations
 import csv
 
 import pytest
-from test_rewards_clip import tiny_clip_dir  # noqa: F401 - fixture: a tiny CLIP saved with save_pretrained
 from test_train_loop import make_cfg
 
 
 @pytest.mark.parametrize("advantage", ["gain", "uniform"])
-def test_one_iteration_sd3_tiny_with_tiny_pickscore(tmp_path, tiny_clip_dir, advantage, monkeypatch):  # noqa: F811
+def test_one_iteration_sd3_tiny_with_tiny_pickscore(tmp_path, tiny_clip_dir, advantage, monkeypatch):
     from stepflow.train import run
 
     monkeypatch.setenv("STEPFLOW_CACHE", str(tmp_path / "cache"))  # the tiny pipeline is built, saved, loaded here

@@ -9,7 +9,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, run_cli
+
+from stepflow.testing.harness import ROOT, run_cli
 
 
 @pytest.mark.slow

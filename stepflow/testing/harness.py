@@ -1,0 +1,227 @@
+"""The test harness, importable (``tests/conftest.py`` holds fixtures only and wraps these):
+
+- :func:`compose_config`: THE one Hydra composition of ``stepflow/conf/<config_name>.yaml`` for tests (what the entry
+  point composes, minus the run); tests call it or request the ``compose`` fixture, never ``initialize_config_dir``;
+- :func:`run_in_process`: ``python -m <module> <args>`` run in this process (the ``cli`` fixture): exit status,
+  stdout and stderr as a subprocess would give them, without the seconds of a fresh interpreter's imports;
+- :func:`run_module`: the same in a subprocess, offline (one test per entry point, and the multi-process tests);
+- :func:`save_tiny`: a tiny random pipeline folder of one kind (:data:`TINY_KINDS`, the ``tiny_pipeline`` fixture);
+- :class:`FakeHTTPServer`: the one programmable HTTP server of the tests (the ``http_server`` fixture).
+
+``ROOT``: the repository checkout these tests run in.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import importlib
+import io
+import os
+import subprocess
+import sys
+import threading
+import time
+import traceback
+from collections.abc import Callable, Iterable
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def compose_config(config_name: str = "train", overrides: Iterable[str] = (), return_hydra_config: bool = False):
+    """Compose ``stepflow/conf/<config_name>.yaml`` with ``overrides`` (as the entry point would, minus the run).
+
+    Hydra's global state is cleared before and after, so a composition never leaks into the next one.
+    """
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    from stepflow.cli import CONF_DIR  # importing stepflow.cli registers the structured configs
+
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+            return compose(config_name=config_name, overrides=list(overrides), return_hydra_config=return_hydra_config)
+    finally:
+        GlobalHydra.instance().clear()
+
+
+def run_module(module: str, *args: str, timeout: int = 300, cwd: Path | str = ROOT, env: dict | None = None
+               ) -> subprocess.CompletedProcess:
+    """``python -m <module> <args>`` in a subprocess, offline, capturing its output (text)."""
+    full_env = {**os.environ, "HF_HUB_OFFLINE": "1", "WANDB_MODE": "offline", **(env or {})}
+    return subprocess.run([sys.executable, "-m", module, *args], cwd=cwd, env=full_env, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+#: the name the tests use for the subprocess run
+run_cli = run_module
+
+
+@dataclasses.dataclass
+class Completed:
+    """What :func:`run_in_process` gives: the fields of ``subprocess.CompletedProcess`` the tests read."""
+
+    args: list[str]
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+def run_in_process(module: str, *args: str, cwd: Path | str | None = None, env: dict | None = None,
+                   monkeypatch=None) -> Completed:
+    """``python -m <module> <args>`` in this process: ``sys.argv`` set, ``main()`` of the module called, its
+    ``SystemExit`` status (an uncaught exception: 1 and the traceback on stderr, as Python's) and output captured.
+
+    ``env``: variables set for the call; ``cwd``: the working folder for the call (``monkeypatch`` restores both when
+    given, else they are restored here). Hydra's and stepflow's process-wide state (the global Hydra, the
+    ``HydraConfig`` of the run, the multirun job list, the stop flag, torch's threads) is reset afterwards.
+    """
+    mod = importlib.import_module(module)
+    out, err = io.StringIO(), io.StringIO()
+    code = 0
+    own = monkeypatch is None
+    if own:
+        import pytest
+
+        monkeypatch = pytest.MonkeyPatch()
+    try:
+        monkeypatch.setattr(sys, "argv", [module, *args])
+        for k, v in (env or {}).items():
+            if v is None:
+                monkeypatch.delenv(k, raising=False)
+            else:
+                monkeypatch.setenv(k, str(v))
+        if cwd is not None:
+            monkeypatch.chdir(cwd)
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                mod.main()
+            except SystemExit as e:
+                if e.code is None or isinstance(e.code, int):
+                    code = e.code or 0
+                else:
+                    print(e.code, file=sys.stderr)
+                    code = 1
+            except BaseException:  # noqa: BLE001 - what Python prints for an uncaught exception
+                traceback.print_exc()
+                code = 1
+    finally:
+        _reset_process_state()
+        if own:
+            monkeypatch.undo()
+    return Completed([module, *args], code, out.getvalue(), err.getvalue())
+
+
+def _reset_process_state() -> None:
+    import torch
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.core.hydra_config import HydraConfig
+
+    from stepflow import cli, stop
+
+    GlobalHydra.instance().clear()
+    HydraConfig.instance().cfg = None
+    cli.JOBS.clear()
+    stop.clear()
+    torch.set_num_threads(1)
+
+
+# ------------------------------------------------------------------------------------------------- tiny pipelines
+#: the tiny pipeline kinds: kind -> (family, variant) of :mod:`stepflow.testing.tiny_policies`
+TINY_KINDS = {
+    "sd3": ("sd3", "medium"),
+    "sd35_large": ("sd3", "large"),
+    "flux_dev": ("flux", "dev"),
+    "flux_schnell": ("flux", "schnell"),
+    "qwen_image": ("qwen_image", ""),
+}
+
+
+def save_tiny(kind: str, directory: str | os.PathLike, seed: int = 0) -> Path:
+    """Write the tiny random pipeline of ``kind`` (:data:`TINY_KINDS`) into ``directory``."""
+    from stepflow.testing import tiny_policies as tiny
+
+    family, variant = TINY_KINDS[kind]
+    if family == "sd3":
+        return tiny.save_tiny_sd3(directory, seed, variant)
+    if family == "flux":
+        return tiny.save_tiny_flux(directory, seed, variant)
+    return tiny.save_tiny_qwen_image(directory, seed)
+
+
+# ------------------------------------------------------------------------------------------------ fake HTTP server
+@dataclasses.dataclass
+class Reply:
+    """A fake server's answer: status, body (bytes as they are; anything else as JSON), headers, delay before."""
+
+    status: int = 200
+    body: object = b""
+    content_type: str = "application/json"
+    delay_s: float = 0.0
+
+
+class FakeHTTPServer:
+    """The tests' one programmable HTTP server on 127.0.0.1 (a free port): every ``POST`` calls
+    ``handler(n, path, headers, body_bytes)`` (``n``: the request's number) and answers the :class:`Reply` (or
+    ``(status, body[, delay_s])``) it returns; ``handler=None`` accepts requests and never answers (a hung service).
+    ``calls``: ``{"path", "headers", "data"}`` of every request. ``with FakeHTTPServer(h) as s`` starts and stops it.
+    """
+
+    def __init__(self, handler: Callable | None):
+        self.calls: list[dict] = []
+        self._hang = threading.Event()
+        outer = self
+
+        class H(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *a):
+                pass
+
+            def do_POST(self):  # noqa: N802
+                data = self.rfile.read(int(self.headers.get("Content-Length", 0)))
+                n = len(outer.calls)
+                outer.calls.append({"path": self.path, "headers": dict(self.headers), "data": data})
+                if handler is None:
+                    outer._hang.wait(600)
+                    return
+                reply = handler(n, self.path, self.headers, data)
+                if not isinstance(reply, Reply):
+                    reply = Reply(*reply[:2], delay_s=reply[2] if len(reply) > 2 else 0.0)
+                time.sleep(reply.delay_s)
+                import json
+
+                body = reply.body if isinstance(reply.body, bytes) else json.dumps(reply.body).encode()
+                try:
+                    self.send_response(reply.status)
+                    self.send_header("Content-Type", reply.content_type)
+                    self.send_header("Content-Length", str(len(body)))
+                    self.end_headers()
+                    self.wfile.write(body)
+                except (BrokenPipeError, ConnectionResetError):
+                    pass
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), H)
+        self.httpd.daemon_threads = True
+        self.port = self.httpd.server_address[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        self._thread = threading.Thread(target=self.httpd.serve_forever, args=(0.05,), daemon=True)
+
+    def start(self) -> FakeHTTPServer:
+        if not self._thread.is_alive():
+            self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._hang.set()
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+    def __enter__(self) -> FakeHTTPServer:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
