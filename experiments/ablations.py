@@ -50,8 +50,6 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import report  # noqa: E402  (experiments/report.py)
 
-from stepflow.cli import CONF_DIR  # noqa: E402
-
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -249,31 +247,17 @@ class Job:
     same_as: "Job | None" = None  #: shared: the identical run of an earlier ablation (linked, not run again)
 
 
-@contextlib.contextmanager
-def hydra_conf():
-    """Hydra's compose API initialised on ``conf/`` (once for many compositions)."""
-    from hydra import initialize_config_dir
-    from hydra.core.global_hydra import GlobalHydra
-
-    GlobalHydra.instance().clear()
-    try:
-        with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-            yield
-    finally:
-        GlobalHydra.instance().clear()
-
-
-def planned_config(experiment: str, overrides: Sequence[str]) -> dict[str, Any]:
-    """The resolved config a run will get (Hydra compose of ``train`` with the run's overrides); call inside
-    :func:`hydra_conf` (or it initialises Hydra itself)."""
-    from hydra import compose
-    from hydra.core.global_hydra import GlobalHydra
+def planned_config(experiment: str, overrides: Sequence[str], compose=None) -> dict[str, Any]:
+    """The resolved config a run will get (Hydra compose of ``train`` with the run's overrides); ``compose``: the
+    composer of a block of plannings (:func:`stepflow.config.composer`), else one is opened for this call."""
     from omegaconf import OmegaConf
 
-    if not GlobalHydra.instance().is_initialized():
-        with hydra_conf():
-            return planned_config(experiment, overrides)
-    cfg = compose(config_name="train", overrides=[f"experiment={experiment}", *overrides])
+    from stepflow.config import composer
+
+    if compose is None:
+        with composer() as c:
+            return planned_config(experiment, overrides, c)
+    cfg = compose("train", [f"experiment={experiment}", *overrides])
     return OmegaConf.to_container(cfg, resolve=True)
 
 
@@ -343,13 +327,15 @@ def plan(suite: Suite, sweep_dir: Path, extra: Sequence[str] = (), check_config:
     linked to that run (unless a finished run of its own exists)."""
     jobs = []
     first: dict[tuple[str, int], Job] = {}
-    with hydra_conf() if check_config else contextlib.nullcontext():
+    from stepflow.config import composer
+
+    with composer() if check_config else contextlib.nullcontext() as compose:
         for abl in suite.ablations:
             for arm in abl.arms():
                 planned = sig = None
                 if check_config:  # one composition per arm: the seed keys are not compared
                     ovr = [*suite.common, *extra, *(f"{k}={v}" for k, v in arm.items())]
-                    planned = planned_config(abl.experiment, ovr)
+                    planned = planned_config(abl.experiment, ovr, compose)
                     sig = run_signature(planned)
                 for seed in suite.seeds:
                     run_dir = sweep_dir / abl.name / run_name(arm, seed)

@@ -76,16 +76,10 @@ class ModelClock:
 
 
 def build(overrides: list[str], scheme: str, run_dir: Path):
-    from hydra import compose, initialize_config_dir
-    from hydra.core.global_hydra import GlobalHydra
-
-    from stepflow.cli import CONF_DIR
+    from stepflow.config import compose
     from stepflow.train import build_module
 
-    GlobalHydra.instance().clear()
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        cfg = compose(config_name="train", overrides=[*overrides, f"advantage={scheme}"])
-    GlobalHydra.instance().clear()
+    cfg = compose("train", [*overrides, f"advantage={scheme}"])
     module = build_module(cfg, run_dir)
     return module, ModelClock(module)
 

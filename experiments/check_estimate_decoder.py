@@ -55,20 +55,14 @@ def within_group(x, y, groups) -> float:
 
 def compose_train(overrides: list[str]):
     """The training config with ``overrides``; a bad override is one line (:func:`stepflow.cli.compose_error`)."""
-    from hydra import compose, initialize_config_dir
-    from hydra.core.global_hydra import GlobalHydra
-
-    from stepflow.cli import CONF_DIR, compose_error
+    from stepflow.cli import compose_error
+    from stepflow.config import compose
     from stepflow.errors import StepflowError
 
-    GlobalHydra.instance().clear()
     try:
-        with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-            return compose(config_name="train", overrides=overrides)
+        return compose("train", overrides)
     except Exception as e:  # noqa: BLE001 - ConfigCompositionException, OverrideParseException, ...
         raise StepflowError(compose_error(e)) from None
-    finally:
-        GlobalHydra.instance().clear()
 
 
 def _takes_estimate_vae(cfg) -> None:

@@ -54,20 +54,16 @@ def weighted_update(g: Tensor, weighting: str, stds: Tensor, gains: Tensor | Non
 
 def measure(overrides: list[str], batches: int, schemes: list[str], weightings: list[str] = ()) -> dict:
     import torch
-    from hydra import compose, initialize_config_dir
-    from hydra.core.global_hydra import GlobalHydra
     from tqdm.auto import tqdm
 
     from stepflow.advantage import AdvantageEstimator
     from stepflow.algorithm import step_gradients, trainable_steps
-    from stepflow.cli import CONF_DIR
     from stepflow.coherence import signal_fraction
+    from stepflow.config import compose
     from stepflow.rollout import estimate_states, rollout, score
     from stepflow.train import build_module
 
-    GlobalHydra.instance().clear()
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        cfg = compose(config_name="train", overrides=overrides)
+    cfg = compose("train", overrides)
     module = build_module(cfg, Path("/tmp/stepflow_coherence"))
     learner, lp = module.learner, module.loop
     estimators = {s: AdvantageEstimator(dataclasses.replace(learner.advantage.cfg, scheme=s)) for s in schemes}

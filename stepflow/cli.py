@@ -148,21 +148,16 @@ def check_grammar(argv: list[str]) -> None:
 def check_keys(argv: list[str], config_name: str, conf_dir: Path = CONF_DIR) -> None:
     """Compose the config once with the command line's plain overrides, so that what the structured configs reject
     (an unknown key, a value of the wrong type) is reported as one line instead of Hydra's multi-line message."""
-    from hydra import compose, initialize_config_dir
-    from hydra.core.global_hydra import GlobalHydra
+    from stepflow.config import compose
 
     overrides = [a for a in argv if not a.startswith("-") and ("=" in a or a.startswith("~"))
                  and not a.lstrip("+~").startswith("hydra")]
     if any("," in a.partition("=")[2] and not a.partition("=")[2].startswith("[") for a in overrides):
-        return  # a sweep: Hydra validates each job
-    GlobalHydra.instance().clear()
+        return  # a sweep: check_sweep composes each job
     try:
-        with initialize_config_dir(config_dir=str(conf_dir), version_base="1.3"):
-            compose(config_name=config_name, overrides=overrides)
+        compose(config_name, overrides, conf_dir=conf_dir)
     except Exception as e:  # noqa: BLE001 - reported as one line
         fail(compose_error(e))
-    finally:
-        GlobalHydra.instance().clear()
 
 
 def compose_error(e: BaseException) -> str:
@@ -233,24 +228,19 @@ def check_sweep(argv: list[str], config_name: str, conf_dir: Path = CONF_DIR) ->
     """Compose every job of a sweep before the first one starts, so that a value of the wrong type or an unknown key
     in any job is one line naming the job (Hydra reports it only when that job's turn comes, in several lines);
     returns the number of jobs."""
-    from hydra import compose, initialize_config_dir
-    from hydra.core.global_hydra import GlobalHydra
+    from stepflow.config import composer
 
     try:
         jobs = sweep_jobs(argv)
     except Exception as e:  # noqa: BLE001 - reported as one line
         fail(f"cannot expand the sweep: {' '.join(str(e).split())}")
-    GlobalHydra.instance().clear()
-    try:
-        with initialize_config_dir(config_dir=str(conf_dir), version_base="1.3"):
-            for i, job in enumerate(jobs):
-                plain = [o for o in job if not o.lstrip("+~").startswith("hydra")]
-                try:
-                    compose(config_name=config_name, overrides=plain)
-                except Exception as e:  # noqa: BLE001 - reported as one line
-                    fail(f"{compose_error(e)} (sweep job #{i}: {' '.join(plain)})")
-    finally:
-        GlobalHydra.instance().clear()
+    with composer(conf_dir) as compose:
+        for i, job in enumerate(jobs):
+            plain = [o for o in job if not o.lstrip("+~").startswith("hydra")]
+            try:
+                compose(config_name, plain)
+            except Exception as e:  # noqa: BLE001 - reported as one line
+                fail(f"{compose_error(e)} (sweep job #{i}: {' '.join(plain)})")
     return len(jobs)
 
 

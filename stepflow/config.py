@@ -18,6 +18,7 @@ group (``loop.iterations: must be >= 1, got -1``) and the CLI prints it as one l
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import numbers
@@ -679,6 +680,32 @@ def register_configs() -> None:
 
     for name, schema in SCHEMAS.items():
         ConfigStore.instance().store(name=f"{name}_schema", node=schema)
+
+
+@contextlib.contextmanager
+def composer(conf_dir: str | Path = CONF_DIR):
+    """Hydra's compose API on the package's ``conf/`` for a block of compositions (initialised once): yields
+    ``compose(config_name, overrides=(), **kwargs)``. The one place stepflow composes a config outside an entry point
+    (the CLI's up-front checks, reward names, experiments, tests: :func:`compose`)."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    register_configs()
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_dir(config_dir=str(conf_dir), version_base="1.3"):
+            yield lambda config_name, overrides=(), **kw: hydra_compose(config_name=config_name,
+                                                                        overrides=list(overrides), **kw)
+    finally:
+        GlobalHydra.instance().clear()
+
+
+def compose(config_name: str | None, overrides=(), conf_dir: str | Path = CONF_DIR, **kwargs):
+    """``conf/<config_name>.yaml`` composed with ``overrides``, as the entry point composes it (minus the run;
+    ``return_hydra_config=True`` keeps the ``hydra`` node)."""
+    with composer(conf_dir) as c:
+        return c(config_name, overrides, **kwargs)
 
 
 def _groups(cls: type) -> dict[str, type]:

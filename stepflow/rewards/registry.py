@@ -33,14 +33,11 @@ def _find_reward_error(e: BaseException) -> RewardError | None:
 def reward_config(name: str, overrides: Sequence[str] = ()) -> Any:
     """Compose ``conf/reward/<name>.yaml`` (with its defaults list) and ``reward.*`` overrides, e.g.
     ``reward_config("pickscore", ["model_path=/models/PickScore_v1"])``."""
-    from hydra import compose, initialize_config_dir
-
-    from stepflow.config import CONF_DIR
+    from stepflow.config import compose
 
     ov = [f"+reward={name}"] + [o if o.startswith(("reward.", "+reward.", "~reward.")) else
                                 ("+" if o.startswith("+") else "") + "reward." + o.lstrip("+") for o in overrides]
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        return compose(config_name=None, overrides=ov).reward
+    return compose(None, ov).reward
 
 
 def build_reward(cfg: Any, overrides: Sequence[str] = ()) -> Reward:
