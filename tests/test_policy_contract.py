@@ -52,17 +52,16 @@ class Family:
 
 FAMILIES = [
     # the shapes policy's word encoder keeps requires_grad (pretraining trains it; GRPO's optimizer never sees it)
-    Family("shapes_tiny", "ShapesPolicy", guidance=4.5, image=32, path_field=None, frozen_outside=False,
-           reload_bug="alpha"),
+    Family("shapes_tiny", "ShapesPolicy", guidance=4.5, image=32, path_field=None, frozen_outside=False),
     Family("sd3_tiny", "SD3Policy", guidance=4.5),
     Family("sd35_large_tiny", "SD3Policy", guidance=3.5),
     Family("flux_tiny", "FluxPolicy", guidance=1.0),
     Family("flux_schnell_tiny", "FluxPolicy", guidance=1.0),
     Family("qwen_image_tiny", "QwenImagePolicy", guidance=4.0),
-    Family("sd35_medium_random", "SD3Policy", tuple(TINY_RANDOM), guidance=4.5, path_field=None, reload_bug="random"),
-    Family("sd35_large_random", "SD3Policy", tuple(TINY_RANDOM), guidance=3.5, path_field=None, reload_bug="random"),
-    Family("flux_dev_random", "FluxPolicy", tuple(TINY_RANDOM), guidance=1.0, path_field=None, reload_bug="random"),
-    Family("qwen_image_random", "QwenImagePolicy", tuple(TINY_RANDOM), guidance=4.0, path_field=None, reload_bug="random"),
+    Family("sd35_medium_random", "SD3Policy", tuple(TINY_RANDOM), guidance=4.5, path_field=None),
+    Family("sd35_large_random", "SD3Policy", tuple(TINY_RANDOM), guidance=3.5, path_field=None),
+    Family("flux_dev_random", "FluxPolicy", tuple(TINY_RANDOM), guidance=1.0, path_field=None),
+    Family("qwen_image_random", "QwenImagePolicy", tuple(TINY_RANDOM), guidance=4.0, path_field=None),
 ]
 PARAMS = [pytest.param(f, id=f.id) for f in FAMILIES]
 
@@ -227,17 +226,8 @@ def test_lora_changes_the_velocity_and_reference_is_the_base(compose, fam, tmp_p
     assert (saved / "pytorch_lora_weights.safetensors").is_file()
 
 
-RELOAD_BUGS = {
-    # read_lora (stepflow/policies/base.py) looks for ``lora_alpha`` under a nested "transformer" key of diffusers'
-    # ``lora_adapter_metadata``; diffusers 0.42 writes it flat ("transformer.lora_alpha"), so the generic reader (the
-    # policies without a pipeline: shapes) falls back to alpha = rank and the reloaded adapter has the wrong scale
-    "alpha": pytest.mark.xfail(strict=True, raises=AssertionError,
-                               reason="read_lora misses diffusers' flat 'transformer.lora_alpha' metadata"),
-    # the *_random policies' ``pipe`` is a SimpleNamespace without load_lora_weights: SD3Policy / FluxPolicy /
-    # QwenImagePolicy.load_lora fail on them (model.lora.path with model=*_random is one line, but no load)
-    "random": pytest.mark.xfail(strict=True, raises=StepflowError,
-                                reason="*_random policies: load_lora calls pipe.load_lora_weights on a SimpleNamespace"),
-}
+#: known product bugs that stop a saved adapter from loading back, by Family.reload_bug (strict xfail marks; none now)
+RELOAD_BUGS: dict = {}
 LORA_PARAMS = [pytest.param(f, id=f.id, marks=RELOAD_BUGS[f.reload_bug] if f.reload_bug else ()) for f in FAMILIES]
 
 

@@ -260,7 +260,12 @@ def read_lora(path: str | Path) -> tuple[dict[str, Tensor], dict[str, Any]]:
         alpha = float(json.loads(cfg_file.read_text()).get("lora_alpha", rank))
     elif "lora_adapter_metadata" in meta:  # diffusers >= 0.34 stores the LoraConfig in the metadata
         md = json.loads(meta["lora_adapter_metadata"])
-        md = md.get("transformer", md) if isinstance(md, dict) else {}
+        if not isinstance(md, dict):
+            md = {}
+        elif isinstance(md.get("transformer"), dict):  # nested: {"transformer": {"lora_alpha": ...}}
+            md = md["transformer"]
+        else:  # flat, as diffusers 0.42 writes it: {"transformer.lora_alpha": ...}
+            md = {k.removeprefix("transformer."): v for k, v in md.items()}
         alpha = float(md.get("lora_alpha", rank))
     elif "lora_alpha" in meta:
         alpha = float(meta["lora_alpha"])

@@ -385,7 +385,16 @@ class PipelinePolicy(FlowPolicy):
             p.requires_grad_(True)
 
     def _load_lora_weights(self, directory: str) -> None:
-        """Into the existing adapter (same shapes), or a new one from the file (diffusers' ``load_lora_weights``)."""
+        """Into the existing adapter (same shapes), or a new one from the file (diffusers' ``load_lora_weights``). A
+        policy without a diffusers pipeline (the ``*_random`` builders) reads the file with the generic reader."""
+        if not hasattr(self.pipe, "load_lora_weights"):
+            from stepflow.policies.base import read_lora
+
+            state, info = read_lora(directory)
+            if not self.has_lora:
+                self.add_lora(rank=info["rank"], alpha=info["alpha"], targets=info["targets"])
+            self.load_lora_state_dict(state)
+            return
         if self.has_lora:
             from peft.utils import set_peft_model_state_dict
 
