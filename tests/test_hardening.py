@@ -166,13 +166,13 @@ def test_sigterm_interrupts_a_hanging_reward_call(tmp_path, http_server):
     (["lora.rank=0"], "lora.rank"),
     (["callbacks.checkpoint.keep_every=-1"], "keep_every"),
 ])
-def test_bad_values_are_one_line(tmp_path, args, needle):
-    _one_line_error(run_cli("stepflow.train", "experiment=smoke", f"hydra.run.dir={tmp_path}", *args), needle)
+def test_bad_values_are_one_line(tmp_path, args, needle, cli):
+    _one_line_error(cli("stepflow.train", "experiment=smoke", f"hydra.run.dir={tmp_path}", *args), needle)
 
 
-def test_the_readme_pickscore_command_without_weights_is_one_line(tmp_path):
+def test_the_readme_pickscore_command_without_weights_is_one_line(tmp_path, cli):
     """`python -m stepflow.train reward=pickscore advantage=gain sampler=ddim_sde` offline, no weights."""
-    r = run_cli("stepflow.train", "reward=pickscore", "advantage=gain", "sampler=ddim_sde",
+    r = cli("stepflow.train", "reward=pickscore", "advantage=gain", "sampler=ddim_sde",
                 f"hydra.run.dir={tmp_path}", env={"HF_HOME": str(tmp_path / "hf")})
     _one_line_error(r, "PickScore")
 
@@ -197,8 +197,8 @@ def test_an_unexpected_error_is_one_line_naming_the_traceback_switch(capsys):
     assert err[0] == "stepflow: error: RuntimeError: boom in some library (set HYDRA_FULL_ERROR=1 for the traceback)"
 
 
-def test_hydra_full_error_shows_the_traceback(tmp_path):
-    r = run_cli("stepflow.train", "experiment=smoke", "ema.update_every=0", f"hydra.run.dir={tmp_path}",
+def test_hydra_full_error_shows_the_traceback(tmp_path, cli):
+    r = cli("stepflow.train", "experiment=smoke", "ema.update_every=0", f"hydra.run.dir={tmp_path}",
                 env={"HYDRA_FULL_ERROR": "1"})
     assert r.returncode != 0 and "Traceback" in r.stderr and "ema.update_every" in r.stderr
 
@@ -320,13 +320,13 @@ def test_ckpt_path_auto_resumes_a_requeued_run_and_starts_a_fresh_one(tmp_path):
     (["train.lr=[1"], "train.lr"),
     (["--multirun", "--cfg", "job"], "Only one of"),  # Hydra's own argument check, outside the task
 ])
-def test_overrides_hydra_cannot_read_are_one_line(tmp_path, args, needle):
-    _one_line_error(run_cli("stepflow.train", "experiment=smoke", *args), needle)
+def test_overrides_hydra_cannot_read_are_one_line(tmp_path, args, needle, cli):
+    _one_line_error(cli("stepflow.train", "experiment=smoke", *args), needle)
 
 
-def test_a_quoted_run_dir_with_equals_signs_is_read(tmp_path):
+def test_a_quoted_run_dir_with_equals_signs_is_read(tmp_path, cli):
     d = tmp_path / "seed=1,train.weighting=guard"
-    r = run_cli("stepflow.train", "experiment=smoke", f"hydra.run.dir='{d}'", "--cfg", "job")
+    r = cli("stepflow.train", "experiment=smoke", f"hydra.run.dir='{d}'", "--cfg", "job")
     assert r.returncode == 0, r.stderr
 
 

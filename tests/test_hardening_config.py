@@ -233,8 +233,8 @@ def test_a_run_whose_loss_turns_non_finite_stops_before_saving_it(tmp_path, monk
 
 
 # ------------------------------------------------------------------------------------------------ multirun
-def test_a_multirun_reports_failed_jobs_and_runs_the_others(tmp_path):
-    r = run_cli("stepflow.train", "--multirun", "experiment=smoke", "loop.iterations=1", "eval.max_prompts=2",
+def test_a_multirun_reports_failed_jobs_and_runs_the_others(tmp_path, cli):
+    r = cli("stepflow.train", "--multirun", "experiment=smoke", "loop.iterations=1", "eval.max_prompts=2",
                 "train.lr=-1,0.001", f"hydra.sweep.dir={tmp_path}")
     assert r.returncode == 1, r.stderr[-2000:]
     assert "Traceback" not in r.stderr
@@ -244,8 +244,8 @@ def test_a_multirun_reports_failed_jobs_and_runs_the_others(tmp_path):
         "stepflow: multirun: 2 jobs: 1 ran, 1 failed, 0 skipped; failed: #0 (")
 
 
-def test_a_sweep_value_of_the_wrong_type_is_one_line_naming_the_job(tmp_path):
-    r = run_cli("stepflow.train", "--multirun", "experiment=smoke", "loop.iterations=1,abc",
+def test_a_sweep_value_of_the_wrong_type_is_one_line_naming_the_job(tmp_path, cli):
+    r = cli("stepflow.train", "--multirun", "experiment=smoke", "loop.iterations=1,abc",
                 f"hydra.sweep.dir={tmp_path}")
     assert r.returncode == 2 and "Traceback" not in r.stderr
     lines = r.stderr.strip().splitlines()

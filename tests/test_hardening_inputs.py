@@ -18,7 +18,7 @@ from test_hardening import _evil, _one_line_error
 
 from stepflow.cli import CONF_DIR
 from stepflow.errors import StepflowError
-from stepflow.testing.harness import ROOT, compose_config, run_cli
+from stepflow.testing.harness import ROOT, compose_config
 
 
 # ------------------------------------------------------------------------------------------------ checkpoints
@@ -89,12 +89,12 @@ class _Code:
         return (print, ("this must never run",))
 
 
-def test_train_with_a_checkpoint_of_random_bytes_is_one_line(tmp_path):
+def test_train_with_a_checkpoint_of_random_bytes_is_one_line(tmp_path, cli):
     """The issue's acceptance check: `printf 'garbage' > rand.ckpt; python -m stepflow.train experiment=smoke
     ckpt_path=rand.ckpt` (through Lightning's restore and AtomicCheckpointIO)."""
     rand = tmp_path / "rand.ckpt"
     rand.write_bytes(b"garbage")
-    r = run_cli("stepflow.train", "experiment=smoke", f"ckpt_path={rand}", f"hydra.run.dir={tmp_path / 'run'}")
+    r = cli("stepflow.train", "experiment=smoke", f"ckpt_path={rand}", f"hydra.run.dir={tmp_path / 'run'}")
     line = _one_line_error(r, "ckpt_path")
     assert "is not a checkpoint" in line and "running code" not in r.stderr + r.stdout, line
 
@@ -274,9 +274,9 @@ def test_a_damaged_config_json_in_transformer_path_is_one_line(sd3_copy, tmp_pat
     ("qwen_image_tiny", "model.guidance=-1", "model.guidance"),
     ("flux_tiny", "model.embedded_guidance=-1", "model.embedded_guidance"),
 ])
-def test_negative_guidance_on_the_command_line_is_one_line(tmp_path, model, override, needle):
+def test_negative_guidance_on_the_command_line_is_one_line(tmp_path, model, override, needle, cli):
     """The issue's acceptance lines, through Hydra's instantiate and the entry point."""
-    r = run_cli("stepflow.train", "experiment=smoke", f"model={model}", override, f"hydra.run.dir={tmp_path}")
+    r = cli("stepflow.train", "experiment=smoke", f"model={model}", override, f"hydra.run.dir={tmp_path}")
     assert _one_line_error(r, needle).startswith(f"stepflow: error: {needle}: must be ")
 
 

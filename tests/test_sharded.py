@@ -23,7 +23,7 @@ import torch
 
 from stepflow.testing.harness import ROOT, run_cli
 
-pytestmark = pytest.mark.slow
+# every multi-process test here is `slow` (make test-slow); the config refusals run in-process, in `make test`
 
 BASE = ["experiment=smoke", "model=sd3_tiny", "reward=pickscore_tiny", "train.beta_kl=0.04", "eval.max_prompts=3",
         "loop.prompts_per_iter=3", "train.micro_batch_size=2"]
@@ -58,6 +58,7 @@ def runs(tmp_path_factory):
     return get
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("finetune", ["lora", "full"])
 @pytest.mark.parametrize("trainer", ["fsdp_cpu", "deepspeed_cpu"])
 def test_sharded_trains_as_ddp(runs, trainer, finetune):
@@ -76,6 +77,7 @@ def test_sharded_trains_as_ddp(runs, trainer, finetune):
     assert float(ddp[1]["train/kl"]) == 0.0 < float(ddp[2]["train/kl"])  # the KL term is live after step 1
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("trainer", ["fsdp_cpu", "deepspeed_cpu"])
 def test_reducing_every_backward_has_ddp_gradient(runs, tmp_path, trainer):
     """``reduce_every_backward=true`` (sharded gradients, ``auto``'s choice for full fine-tuning; ZeRO-2's own
@@ -89,6 +91,7 @@ def test_reducing_every_backward_has_ddp_gradient(runs, tmp_path, trainer):
         assert float(got[1][k]) == pytest.approx(float(ddp[1][k]), rel=1e-5, abs=1e-9), k
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("trainer", ["fsdp_cpu", "deepspeed_cpu"])
 def test_sharded_run_writes_the_weights_ddp_writes(runs, trainer):
     """The (EMA) LoRA written from a sharded run is DDP's (diffusers format, loadable by ``load_lora_weights``); the
@@ -110,6 +113,7 @@ def test_sharded_run_writes_the_weights_ddp_writes(runs, trainer):
         torch.testing.assert_close(tb[k], ta[k], rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_fsdp_resume_is_exact(runs, tmp_path):
     """2 iterations, then the third from last.ckpt (a full-state file, loadable onto any world size): the third
     iteration equals the uninterrupted run's; the checkpoint also resumes on one process."""
@@ -131,6 +135,7 @@ def test_fsdp_resume_is_exact(runs, tmp_path):
     assert 3 in metrics(other)
 
 
+@pytest.mark.slow
 def test_deepspeed_resume_is_exact(runs, tmp_path):
     """ZeRO-2: the checkpoint is one file (module weights and every rank's ZeRO partitions, loadable with
     ``weights_only=True``) and resumes exactly."""
@@ -144,6 +149,7 @@ def test_deepspeed_resume_is_exact(runs, tmp_path):
         assert float(got[3][k]) == pytest.approx(float(ref[3][k]), rel=1e-5, abs=1e-10), k
 
 
+@pytest.mark.slow
 def test_torchrun_two_nodes_equal_one_node(runs, tmp_path):
     """``torchrun --nnodes 2 --nproc-per-node 1`` (static rendezvous on 127.0.0.1, Lightning's TorchElastic
     environment) with ``trainer.num_nodes=2 trainer.devices=1`` trains as the 1-node 2-process run."""
@@ -168,6 +174,7 @@ def test_torchrun_two_nodes_equal_one_node(runs, tmp_path):
             assert float(got[it][k]) == pytest.approx(float(ref[it][k]), rel=1e-6, abs=1e-10), (it, k)
 
 
+@pytest.mark.slow
 def test_sigterm_stops_a_sharded_run_cleanly(tmp_path):
     """SIGTERM to an FSDP2 run: both ranks stop at the same phase boundary, exit 143 with a usable last.ckpt, and
     the run resumes from it."""
@@ -195,8 +202,8 @@ def test_sigterm_stops_a_sharded_run_cleanly(tmp_path):
 
 @pytest.mark.parametrize("trainer", ["fsdp_cpu", "deepspeed_cpu"])
 @pytest.mark.parametrize("arg", ["train.weighting=grad_rms", "train.train_steps=auto"])
-def test_per_step_gradient_schemes_are_refused_when_sharded(tmp_path, trainer, arg):
-    r = run_cli("stepflow.train", "experiment=smoke", f"trainer={trainer}", arg, f"hydra.run.dir={tmp_path}")
+def test_per_step_gradient_schemes_are_refused_when_sharded(tmp_path, trainer, arg, cli):
+    r = cli("stepflow.train", "experiment=smoke", f"trainer={trainer}", arg, f"hydra.run.dir={tmp_path}")
     err = r.stderr.strip().splitlines()
     assert r.returncode != 0 and len(err) == 1, r.stderr[-2000:]
     assert err[0].startswith("stepflow: error:") and arg.split("=")[0] in err[0] and "trainer=ddp" in err[0], err[0]

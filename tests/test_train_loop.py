@@ -131,8 +131,8 @@ def _cli(*args: str, timeout: int = 240) -> subprocess.CompletedProcess:
     (["train.train_steps=[]"], "train.train_steps: empty list"),
     (["sampler=ddim_sde", "sampler.schedule=eta_s_sqrt1mt", "train.train_steps=[0]"], "carry no noise"),
 ])
-def test_bad_overrides_give_one_line_errors(tmp_path, args, needle):
-    r = _cli("experiment=smoke", f"hydra.run.dir={tmp_path}", *args)
+def test_bad_overrides_give_one_line_errors(tmp_path, cli, args, needle):
+    r = cli("stepflow.train", "experiment=smoke", f"hydra.run.dir={tmp_path}", *args)  # in-process
     assert r.returncode != 0
     err = r.stderr.strip().splitlines()
     assert len(err) == 1, r.stderr[-2000:]
