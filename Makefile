@@ -7,7 +7,7 @@ export HF_HUB_OFFLINE ?= 1
 export WANDB_MODE ?= offline
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: install train test test-fast evaluate pretrain ablations ablations-quick clean
+.PHONY: install train test test-fast test-slow test-all evaluate pretrain ablations ablations-quick clean
 
 install: $(STAMP)
 
@@ -29,11 +29,20 @@ evaluate: install
 pretrain: install
 	$(VPY) -m stepflow.pretrain $(ARGS)
 
-test: install
-	$(VPY) -m pytest -q $(ARGS)
+# Tests (pyproject's [tool.pytest.ini_options]: --strict-markers, the 20 slowest printed). `make test`: every test
+# but the `slow` ones (multi-process / sharded training, signals, the wheel, the golden run), WORKERS xdist processes;
+# `make test-slow`: the `slow` ones; `make test-all` (CI, .ci/run): both.
+WORKERS ?= 2
 
-test-fast: install
-	$(VPY) -m pytest -q -m "not slow" $(ARGS)
+test: install
+	$(VPY) -m pytest -q -n $(WORKERS) -m "not slow" $(ARGS)
+
+test-fast: test
+
+test-slow: install
+	$(VPY) -m pytest -q -n $(WORKERS) --dist loadgroup -m slow $(ARGS)
+
+test-all: test test-slow
 
 clean:
 	rm -rf outputs multirun .pytest_cache

@@ -13,7 +13,7 @@ import torch
 
 pytest.importorskip("diffusers")
 
-from stepflow.testing.tiny_policies import TINY_HEIGHT, save_tiny_flux, save_tiny_qwen_image, save_tiny_sd3  # noqa: E402
+from stepflow.testing.tiny_policies import TINY_HEIGHT  # noqa: E402
 
 PROMPTS = ["a photo of a cat", "a red dog on the square"]
 H = TINY_HEIGHT
@@ -21,10 +21,8 @@ FAMILIES = ["sd3", "flux", "qwen_image"]
 
 
 @pytest.fixture(scope="module")
-def dirs(tmp_path_factory):
-    return {"sd3": save_tiny_sd3(tmp_path_factory.mktemp("sd3")),
-            "flux": save_tiny_flux(tmp_path_factory.mktemp("flux")),
-            "qwen_image": save_tiny_qwen_image(tmp_path_factory.mktemp("qwen"))}
+def dirs(tiny_pipeline):
+    return {"sd3": tiny_pipeline("sd3"), "flux": tiny_pipeline("flux_dev"), "qwen_image": tiny_pipeline("qwen_image")}
 
 
 def _policy_cls(family):

@@ -19,7 +19,7 @@ pytest.importorskip("diffusers")
 from stepflow.errors import ModelLoadError  # noqa: E402
 from stepflow.policies.base import Cond  # noqa: E402
 from stepflow.policies.flux import FluxPolicy, flux_mu, pack_latents, unpack_latents  # noqa: E402
-from stepflow.testing.tiny_policies import TINY_HEIGHT, save_tiny_flux, tiny_flux_policy  # noqa: E402
+from stepflow.testing.tiny_policies import TINY_HEIGHT, tiny_flux_policy  # noqa: E402
 
 PROMPTS = ["a photo of a cat", "a red dog on the square"]
 SEQ = 32  # T5 tokens
@@ -28,8 +28,8 @@ GUIDANCE = 3.5  # FLUX.1-dev's embedded guidance
 
 
 @pytest.fixture(scope="module")
-def dirs(tmp_path_factory):
-    return {v: save_tiny_flux(tmp_path_factory.mktemp(f"flux_{v}"), variant=v) for v in ("dev", "schnell")}
+def dirs(tiny_pipeline):
+    return {v: tiny_pipeline(f"flux_{v}") for v in ("dev", "schnell")}
 
 
 def _load(path, variant="dev", height=H, **kw):

@@ -20,7 +20,7 @@ from stepflow.errors import ModelLoadError  # noqa: E402
 from stepflow.policies.base import Cond  # noqa: E402
 from stepflow.policies.flux import pack_latents, unpack_latents  # noqa: E402
 from stepflow.policies.qwen_image import LORA_TARGETS_QWEN_IMAGE, QwenImagePolicy  # noqa: E402
-from stepflow.testing.tiny_policies import TINY_HEIGHT, make_qwen_tokenizer, save_tiny_qwen_image  # noqa: E402
+from stepflow.testing.tiny_policies import TINY_HEIGHT, make_qwen_tokenizer  # noqa: E402
 
 PROMPTS = ["a photo of a cat", "a red dog on the square"]  # different lengths: the batch needs a mask
 H = TINY_HEIGHT
@@ -28,8 +28,8 @@ CFG = 4.0  # the model card's true_cfg_scale
 
 
 @pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    return save_tiny_qwen_image(tmp_path_factory.mktemp("qwen_image_tiny"))
+def tiny_dir(tiny_pipeline):
+    return tiny_pipeline("qwen_image")
 
 
 def _load(path, **kw):

@@ -15,7 +15,7 @@ pytest.importorskip("diffusers")
 from stepflow.errors import ModelLoadError  # noqa: E402
 from stepflow.policies.base import Cond  # noqa: E402
 from stepflow.policies.sd3 import SD3Policy  # noqa: E402
-from stepflow.testing.tiny_policies import TINY_HEIGHT, save_tiny_sd3, tiny_sd3_policy  # noqa: E402
+from stepflow.testing.tiny_policies import TINY_HEIGHT, tiny_sd3_policy  # noqa: E402
 
 PROMPTS = ["a photo of a cat", "a red dog on the square"]
 SEQ = 16  # T5 tokens: token states are 77 + 16 long
@@ -23,8 +23,8 @@ H = TINY_HEIGHT
 
 
 @pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    return save_tiny_sd3(tmp_path_factory.mktemp("sd3_tiny"))
+def tiny_dir(tiny_pipeline):
+    return tiny_pipeline("sd3")
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,7 @@ pytest.importorskip("diffusers")
 
 from stepflow.policies.sd3 import SD3Policy  # noqa: E402
 from stepflow.testing.harness import compose_config  # noqa: E402
-from stepflow.testing.tiny_policies import TINY_HEIGHT, save_tiny_sd3  # noqa: E402
+from stepflow.testing.tiny_policies import TINY_HEIGHT  # noqa: E402
 
 PROMPTS = ["a photo of a cat", "a red dog on the square"]
 SEQ = 16
@@ -18,8 +18,8 @@ H = TINY_HEIGHT
 
 
 @pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    return save_tiny_sd3(tmp_path_factory.mktemp("sd35_large_tiny"), variant="large")
+def tiny_dir(tiny_pipeline):
+    return tiny_pipeline("sd35_large")
 
 
 def _compose(*overrides):

@@ -24,6 +24,7 @@ import torch
 from stepflow.testing.harness import ROOT, run_cli
 
 # every multi-process test here is `slow` (make test-slow); the config refusals run in-process, in `make test`
+pytestmark = pytest.mark.xdist_group("multiprocess")  # make test-slow (--dist loadgroup): one at a time
 
 BASE = ["experiment=smoke", "model=sd3_tiny", "reward=pickscore_tiny", "train.beta_kl=0.04", "eval.max_prompts=3",
         "loop.prompts_per_iter=3", "train.micro_batch_size=2"]

@@ -140,6 +140,7 @@ def test_bad_overrides_give_one_line_errors(tmp_path, cli, args, needle):
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("multiprocess")  # 2 processes: with test_sharded's, one at a time (make test-slow)
 @pytest.mark.parametrize("extra", [[], ["train.train_steps=auto", "train.auto_warmup=0", "reward=pickscore_tiny", "sampler=flow_sde"]],
                          ids=["plain", "auto"])
 def test_ddp_two_processes_matches_one(tmp_path, extra):

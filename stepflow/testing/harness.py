@@ -1,7 +1,8 @@
 """The test harness, importable (``tests/conftest.py`` holds fixtures only and wraps these):
 
-- :func:`compose_config`: THE one Hydra composition of ``stepflow/conf/<config_name>.yaml`` for tests (what the entry
-  point composes, minus the run); tests call it or request the ``compose`` fixture, never ``initialize_config_dir``;
+- :func:`compose_config`: the tests' door to :func:`stepflow.config.compose` (the one Hydra composition of
+  ``stepflow/conf/<config_name>.yaml``); tests call it or request the ``compose`` fixture, never
+  ``initialize_config_dir``;
 - :func:`run_in_process`: ``python -m <module> <args>`` run in this process (the ``cli`` fixture): exit status,
   stdout and stderr as a subprocess would give them, without the seconds of a fresh interpreter's imports;
 - :func:`run_module`: the same in a subprocess, offline (one test per entry point, and the multi-process tests);
@@ -31,21 +32,11 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def compose_config(config_name: str = "train", overrides: Iterable[str] = (), return_hydra_config: bool = False):
-    """Compose ``stepflow/conf/<config_name>.yaml`` with ``overrides`` (as the entry point would, minus the run).
+    """Compose ``stepflow/conf/<config_name>.yaml`` with ``overrides`` (as the entry point would, minus the run):
+    :func:`stepflow.config.compose`, the one composition stepflow has, with the tests' default ``train``."""
+    from stepflow.config import compose
 
-    Hydra's global state is cleared before and after, so a composition never leaks into the next one.
-    """
-    from hydra import compose, initialize_config_dir
-    from hydra.core.global_hydra import GlobalHydra
-
-    from stepflow.cli import CONF_DIR  # importing stepflow.cli registers the structured configs
-
-    GlobalHydra.instance().clear()
-    try:
-        with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-            return compose(config_name=config_name, overrides=list(overrides), return_hydra_config=return_hydra_config)
-    finally:
-        GlobalHydra.instance().clear()
+    return compose(config_name, list(overrides), return_hydra_config=return_hydra_config)
 
 
 def run_module(module: str, *args: str, timeout: int = 300, cwd: Path | str = ROOT, env: dict | None = None

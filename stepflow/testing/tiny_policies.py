@@ -21,6 +21,7 @@ Tokenizers are built in memory (transformers 5 tokenizers accept a vocab and mer
 
 from __future__ import annotations
 
+import functools
 import os
 import shutil
 import tempfile
@@ -37,6 +38,18 @@ FLUX_VARIANTS = ("dev", "schnell")
 TINY_HEIGHT = 64  # default image size of the tiny model (latent 8x8 with the 8x VAE)
 _CLIP_H = 16  # two CLIPs concatenated = 32 = joint_attention_dim = T5 d_model
 _WORDS = ["a", "the", "cat", "dog", "photo", "of", "red", "blue", "green", "circle", "square", "on", "and"]
+
+
+def keeps_rng(fn):
+    """Build under a forked torch RNG: a builder seeds and draws from torch's global generator, and whether it runs
+    (a cache miss) or not (a hit) must not change what the caller draws next (a test's or a run's noise)."""
+
+    @functools.wraps(fn)
+    def wrapped(*args, **kwargs):
+        with torch.random.fork_rng(devices=[]):
+            return fn(*args, **kwargs)
+
+    return wrapped
 
 
 def _bytes_to_unicode() -> list[str]:
@@ -75,6 +88,7 @@ def make_t5_tokenizer(model_max_length: int = 256):
     return T5Tokenizer(vocab=pieces, extra_ids=0, model_max_length=model_max_length)
 
 
+@keeps_rng
 def build_tiny_sd3_pipeline(seed: int = 0, variant: str = "medium"):
     """Random tiny ``StableDiffusion3Pipeline`` (fp32, CPU), deterministic in ``seed``.
 
@@ -132,6 +146,7 @@ def _vae_8x(latent_channels: int, scaling_factor: float, shift_factor: float):
                          shift_factor=shift_factor, scaling_factor=scaling_factor)
 
 
+@keeps_rng
 def build_tiny_flux_pipeline(seed: int = 0, variant: str = "dev"):
     """Random tiny ``FluxPipeline`` (fp32, CPU), deterministic in ``seed``.
 
@@ -203,6 +218,7 @@ def make_qwen_tokenizer():
     return tok
 
 
+@keeps_rng
 def build_tiny_qwen_image_pipeline(seed: int = 0):
     """Random tiny ``QwenImagePipeline`` (fp32, CPU), deterministic in ``seed``.
 
@@ -373,6 +389,7 @@ def tiny_qwen_image_policy(path: str | None = None, seed: int = 0, cache_dir: st
     return QwenImagePolicy.from_pretrained(path or str(tiny_qwen_image_dir(seed, cache_dir)), **kwargs)
 
 
+@keeps_rng
 def tiny_taesd_dir(seed: int = 0, cache_dir: str | os.PathLike | None = None, latent_channels: int = 16) -> Path:
     """A tiny random ``AutoencoderTiny`` (TAESD layout: 16 latent channels, 8x upsampling, SD3's scaling and shift),
     built once into the cache: the stand-in for TAESD3 / TAEF1 in tests and ``model.estimate_vae`` smoke runs."""

@@ -11,6 +11,8 @@ import math
 import os
 from pathlib import Path
 
+from stepflow.testing.tiny_policies import keeps_rng
+
 __all__ = ["clip_tokenizer", "build_tiny_clip", "tiny_clip_dir", "tiny_pickscore"]
 
 
@@ -37,6 +39,7 @@ def clip_tokenizer():
     return CLIPTokenizer(vocab={t: i for i, t in enumerate(v)}, merges=merges, model_max_length=77)
 
 
+@keeps_rng
 def build_tiny_clip(directory: str | os.PathLike, seed: int = 0) -> Path:
     """Write a random tiny ``CLIPModel`` (projection width 768, ViT-L/14's, which the aesthetic head expects) and its
     ``CLIPProcessor`` (32 px) to ``directory``."""
