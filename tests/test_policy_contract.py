@@ -113,6 +113,7 @@ def test_every_model_config_is_a_family():
 def test_class_and_trainable_parameters(built, fam):
     pol = built(fam)
     assert fam.policy in {c.__name__ for c in type(pol).__mro__}
+    assert getattr(pol, "name", fam.config) == fam.config  # the model this config names, not another family's
     assert pol.has_lora and pol.finetune == "lora" and pol.trained_subdir == "lora"
     trainable = {n for n, p in pol.transformer.named_parameters() if p.requires_grad}
     assert trainable and all("lora_" in n for n in trainable)
