@@ -63,6 +63,7 @@ def _pipe_latents(policy, prompts, latents, steps, guidance, output_type="latent
 
 def test_loaded_attributes(policy):
     assert policy.latent_shape == (16, H // 8, H // 8)
+    assert any(".attn2." in n for n, _ in policy.transformer.named_modules())  # SD3.5-Medium's dual attention
     assert policy.shift == 3.0 and policy.timestep_scale == 1000.0
     assert policy.dtype == torch.float32
     assert not any(p.requires_grad for m in [policy.vae, *policy.text_encoders] for p in m.parameters())
