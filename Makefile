@@ -40,7 +40,7 @@ test: install
 test-fast: test
 
 test-slow: install
-	$(VPY) -m pytest -q -n $(WORKERS) --dist loadgroup -m slow $(ARGS)
+	$(VPY) -m pytest -q -m slow $(ARGS)
 
 test-all: test test-slow
 
