@@ -22,15 +22,7 @@ import torch
 
 from stepflow.errors import StepflowError
 from stepflow.testing.harness import ROOT, compose_config, run_cli
-
-
-def _one_line_error(r: subprocess.CompletedProcess, needle: str) -> str:
-    assert r.returncode != 0, r.stdout[-2000:]
-    assert "Traceback" not in r.stderr, r.stderr[-3000:]
-    errors = [line for line in r.stderr.splitlines() if line.startswith("stepflow: error:")]
-    assert len(errors) == 1, r.stderr[-3000:]
-    assert needle in errors[0], errors[0]
-    return errors[0]
+from stepflow.testing.harness import one_line_error as _one_line_error
 
 
 def _train_rows(run_dir: Path) -> list[dict[str, str]]:

@@ -27,6 +27,7 @@ from PIL import Image, ImageFile
 from stepflow.errors import StepflowError
 from stepflow.rewards.base import Reward, RewardOut
 from stepflow.rewards.loading import to_uint8
+from stepflow.testing.harness import one_line_error as _cli_error
 from stepflow.testing.harness import run_cli
 
 FEW_S = 5.0  # "answers within a few seconds" on a shared 2-core machine
@@ -520,14 +521,6 @@ def test_a_host_that_cannot_be_bound_is_one_line(host, needle):
         check_bind(host, 0)
 
 
-def _cli_error(r, needle: str) -> str:
-    """The run ended non-zero with exactly one line ``stepflow: error: ...`` naming ``needle``, no traceback."""
-    assert r.returncode != 0, r.stdout[-2000:]
-    assert "Traceback" not in r.stderr, r.stderr[-3000:]
-    errors = [line for line in r.stderr.splitlines() if line.startswith("stepflow: error:")]
-    assert len(errors) == 1, r.stderr[-3000:]
-    assert needle in errors[0], errors[0]
-    return errors[0]
 
 
 @pytest.mark.parametrize("args,needle", [

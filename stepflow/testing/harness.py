@@ -216,3 +216,14 @@ class FakeHTTPServer:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def one_line_error(r, needle: str) -> str:
+    """The run ended non-zero with exactly one line ``stepflow: error: ...`` naming ``needle``, no traceback; returns
+    that line (``r``: a finished process or the ``cli`` fixture's result)."""
+    assert r.returncode != 0, r.stdout[-2000:]
+    assert "Traceback" not in r.stderr, r.stderr[-3000:]
+    errors = [line for line in r.stderr.splitlines() if line.startswith("stepflow: error:")]
+    assert len(errors) == 1, r.stderr[-3000:]
+    assert needle in errors[0], errors[0]
+    return errors[0]
