@@ -22,6 +22,7 @@ from stepflow.estimate import estimate_x0_with_nfe
 from stepflow.policies.base import Cond, FlowPolicy
 from stepflow.rewards.base import Reward
 from stepflow.sde import SamplerConfig, sde_step
+from stepflow.solvers import dpm2_step, dpm_order, x0_from_v
 
 __all__ = ["Trajectory", "Scores", "rollout", "estimate_states", "score"]
 
@@ -97,6 +98,12 @@ def rollout(policy: FlowPolicy, plan: IterationPlan, sampler: SamplerConfig, num
     step), so a sample does not depend on the batch it is in (one process vs DDP, resume), nor on the depth.
     ``sde_steps``: the steps that follow ``sampler`` (an SDE window); the others take the deterministic Euler step
     (no density, untrainable). None: every step.
+
+    ``sampler.name == "dpm2"`` (DiffusionNFT's deterministic multistep DPM-Solver++(2M), :mod:`stepflow.solvers`):
+    the loop keeps the x̂0 = X_k − τ_k·v of every state it passes and step k takes :func:`dpm_order` (k, T) of the
+    T-step grid (first order at k = 0 and k = T − 1, second order with the previous state's x̂0 elsewhere); log-probs
+    0, nothing trainable. With ``sde_steps`` the steps outside it take the Euler step, and a dpm2 step inside it still
+    uses the x̂0 of the state before it (whichever step made that state) and the order of its grid index.
     """
     device = policy.device
     b = len(plan)
@@ -106,10 +113,18 @@ def rollout(policy: FlowPolicy, plan: IterationPlan, sampler: SamplerConfig, num
     x = seeded_normal(plan.init_noise_seeds, shape, device)
     eps = seeded_normal(plan.step_noise_seeds, (num_steps, *shape), device)  # (B, T, C, H, W)
     lat, vel, lps, trn = [x], [], [], []
+    multistep = sampler.name == "dpm2"
+    x0_prev = None  # dpm2: the x̂0 of the previous state
     for k in range(num_steps if depth is None else depth):
         v = policy.velocity(x, times[k], cond, guidance)
         cfg = sampler if sde_steps is None or k in sde_steps else _ODE
-        out = sde_step(cfg, x, v, times[k], times[k + 1], t_guard=times[1], noise=eps[:, k])
+        if cfg.name == "dpm2":
+            out = dpm2_step(x, v, times[k], times[k + 1], order=dpm_order(k, num_steps), x0_prev=x0_prev,
+                            t_prev=times[k - 1] if k > 0 else None)
+        else:
+            out = sde_step(cfg, x, v, times[k], times[k + 1], t_guard=times[1], noise=eps[:, k])
+        if multistep:
+            x0_prev = x0_from_v(x, v, times[k])
         x = out.next
         lat.append(x); vel.append(v); lps.append(out.log_prob)
         trn.append(out.trainable.expand(b) if out.trainable.ndim == 0 else out.trainable)

@@ -38,11 +38,12 @@ __all__ = [
     "gaussian_log_prob",
 ]
 
-SAMPLERS = ("flow_sde", "ddim_sde", "cps", "ode")
+SAMPLERS = ("flow_sde", "ddim_sde", "cps", "ode", "dpm2")
 DDIM_SCHEDULES = ("eta_s_sqrt1mt", "eta_s", "eta_t_sqrt1mt")
 LOGPROBS = ("gaussian", "cps_constfree")
 #: each sampler's log-prob convention when ``SamplerConfig.logprob`` is None (FlowCPS uses the constant-free one)
-DEFAULT_LOGPROB = {"flow_sde": "gaussian", "ddim_sde": "gaussian", "cps": "cps_constfree", "ode": "gaussian"}
+DEFAULT_LOGPROB = {"flow_sde": "gaussian", "ddim_sde": "gaussian", "cps": "cps_constfree", "ode": "gaussian",
+                   "dpm2": "gaussian"}
 _HALF_LOG_2PI = 0.5 * math.log(2.0 * math.pi)
 
 
@@ -101,7 +102,10 @@ class StepOut:
 class SamplerConfig:
     """Sampler choice and its parameters (method.md §2, §3).
 
-    name:     ``flow_sde`` (Flow-GRPO, §2) | ``ddim_sde`` (§3.1) | ``cps`` (FlowCPS, §3.3) | ``ode`` (Euler).
+    name:     ``flow_sde`` (Flow-GRPO, §2) | ``ddim_sde`` (§3.1) | ``cps`` (FlowCPS, §3.3) | ``ode`` (Euler) |
+              ``dpm2`` (DiffusionNFT's deterministic multistep DPM-Solver++(2M) on x̂0, :mod:`stepflow.solvers`;
+              :func:`stepflow.rollout.rollout` keeps the previous x̂0 it needs; ``a``, ``eta``, ``schedule``,
+              ``first_step_guard`` and ``logprob`` do not affect ``ode`` or ``dpm2``).
     a:        Flow-GRPO noise level, ``σ_d = a·sqrt(t/(1−t))``.
     eta:      DDIM η (``σ = η·s·...``) and CPS η (``std = s·sin(η·π/2)``).
     schedule: DDIM noise schedule: ``eta_s_sqrt1mt`` σ = η s √(1−t) (default) | ``eta_s`` σ = η s (B.2-a) |
@@ -241,7 +245,7 @@ def step_std(cfg: SamplerConfig, t, t_next, t_guard=None) -> Tensor:
     """Per-step std of ``cfg``'s sampler from ``t`` to ``t_next`` (method.md §2, §3.3 table).
 
     t, t_next: floats, 0-d or (B,) tensors.  Returns an fp32 tensor of their broadcast shape.
-    flow_sde: ``σ_d·sqrt(Δt)``; ddim_sde: σ of ``cfg.schedule``; cps: ``s·sin(η π/2)``; ode: 0.
+    flow_sde: ``σ_d·sqrt(Δt)``; ddim_sde: σ of ``cfg.schedule``; cps: ``s·sin(η π/2)``; ode, dpm2: 0.
     """
     t = _as_time(t, None)
     s = _as_time(t_next, None)
@@ -333,6 +337,10 @@ def sde_step(cfg: SamplerConfig, x: Tensor, v: Tensor, t, t_next, *, t_guard=Non
     x, v: (B, ...) (promoted to fp32); t, t_next: float, 0-d or (B,) tensors; ``t_guard`` = τ_1 of the grid.
     If ``prev_sample`` is given it becomes ``next`` and the log-prob is evaluated at it (recomputing log π_θ with
     gradients through ``v``); otherwise ``next = mean + std·noise`` (``noise ~ N(0, I)`` from ``generator`` if None).
+
+    ``dpm2`` is a multistep solver and one step alone has no previous x̂0: here it takes the Euler step of ``ode``
+    (= its own first-order step, DDIM η = 0, up to rounding; std 0, no density).  Its multistep rollout is
+    :func:`stepflow.rollout.rollout` with :func:`stepflow.solvers.dpm2_step`.
     """
     common = dict(noise=noise, prev_sample=prev_sample, generator=generator, logprob=cfg.logprob)
     if cfg.name == "flow_sde":
@@ -342,6 +350,6 @@ def sde_step(cfg: SamplerConfig, x: Tensor, v: Tensor, t, t_next, *, t_guard=Non
                              first_step_guard=cfg.first_step_guard, t_guard=t_guard, **common)
     if cfg.name == "cps":
         return cps_step(x, v, t, t_next, eta=cfg.eta, **common)
-    if cfg.name == "ode":
+    if cfg.name == "ode" or cfg.name == "dpm2":
         return ode_step(x, v, t, t_next, prev_sample=prev_sample)
     raise ValueError(f"name: must be one of {SAMPLERS}, got {cfg.name!r}")
