@@ -5,7 +5,7 @@ and no modules import one another round a loop; imports inside functions count t
 reads this list and checks both). A name stands for that module, or that package and everything in it:
 
 0. errors (the error types; imports nothing from stepflow): errors
-1. core (math, prompts, the stop flag, the embedded shapes world): sde, advantage, loss, window, estimate,
+1. core (math, prompts, the stop flag, the embedded shapes world): sde, advantage, loss, forward, window, estimate,
    coherence, data, stop, shapes
 2. models (the policies, the rewards, and the typed settings, which check the models' own): policies, rewards, config
 3. loop (one GRPO iteration and the held-out evaluation, free of Lightning): rollout, algorithm, dist, heldout
