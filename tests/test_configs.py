@@ -142,50 +142,35 @@ def test_entry_point_composed_defaults_are_the_dataclass_defaults(name):
     assert dataclasses.replace(typed, **{k: None for k in TARGET_NODES if hasattr(typed, k)}) == cls()
 
 
+def _named(overrides: dict[str, list[str]]) -> list[tuple[str, str, str]]:
+    """``(entry point, override, the field its one-line error names)`` for each override of each entry point: the
+    field is the override's key."""
+    return [(name, o, o.partition("=")[0]) for name, entry_overrides in overrides.items() for o in entry_overrides]
+
+
 #: (entry point, override, the field its one-line error names)
-BAD_VALUES = [
-    ("pretrain", "seed=-1", "seed"), ("pretrain", "torch_threads=0", "torch_threads"),
-    ("pretrain", "arch.num_layers=0", "arch.num_layers"), ("pretrain", "arch.image_size=30", "arch.image_size"),
-    ("pretrain", "arch.qk_norm=batch_norm", "arch.qk_norm"), ("pretrain", "arch.prediction=eps", "arch.prediction"),
-    ("pretrain", "arch.t_eps=0", "arch.t_eps"),
-    ("pretrain", "data.batch_size=0", "data.batch_size"), ("pretrain", "data.categories=[circles]", "data.categories"),
-    ("pretrain", "data.categories=[]", "data.categories"),
-    ("pretrain", "data.empty_prompt_prob=1.5", "data.empty_prompt_prob"),
-    ("pretrain", "data.num_workers=-1", "data.num_workers"),
-    ("pretrain", "objective.t_sampling=cosine", "objective.t_sampling"),
-    ("pretrain", "objective.logit_std=0", "objective.logit_std"),
-    ("pretrain", "optim.lr=0", "optim.lr"), ("pretrain", "optim.betas=[0.9,1.0]", "optim.betas"),
-    ("pretrain", "optim.betas=[0.9]", "optim.betas"), ("pretrain", "optim.weight_decay=-0.1", "optim.weight_decay"),
-    ("pretrain", "optim.warmup_steps=-1", "optim.warmup_steps"),
-    ("pretrain", "optim.min_lr_ratio=2", "optim.min_lr_ratio"),
-    ("pretrain", "optim.grad_clip=-1", "optim.grad_clip"), ("pretrain", "ema.decay=1.0", "ema.decay"),
-    ("pretrain", "trainer.max_steps=0", "trainer.max_steps"),
-    ("pretrain", "trainer.max_time=42min", "trainer.max_time"),
-    ("pretrain", "trainer.log_every_n_steps=0", "trainer.log_every_n_steps"),
-    ("pretrain", "trainer.checkpoint_every_n_steps=0", "trainer.checkpoint_every_n_steps"),
-    ("pretrain", "trainer.progress_refresh=0", "trainer.progress_refresh"),
-    ("pretrain", "eval.every_n_steps=-1", "eval.every_n_steps"), ("pretrain", "eval.split=test", "eval.split"),
-    ("pretrain", "eval.max_prompts=0", "eval.max_prompts"), ("pretrain", "eval.num_steps=0", "eval.num_steps"),
-    ("pretrain", "eval.guidance=0.5", "eval.guidance"), ("pretrain", "eval.seed=-1", "eval.seed"),
-    ("pretrain", "eval.grid_per_category=0", "eval.grid_per_category"),
-    ("pretrain", "select.target=1.5", "select.target"), ("pretrain", "select.low=0.8", "select.low"),
-    ("pretrain", "select.high=-0.1", "select.high"), ("pretrain", "select.min_category=1", "select.min_category"),
-    ("pretrain", "select.tolerance=-0.1", "select.tolerance"),
-    ("pretrain", "select.rescore_top_k=0", "select.rescore_top_k"),
-    ("pretrain", "select.rescore_margin=-1", "select.rescore_margin"),
-    ("pretrain", "select.rescore_max_prompts=0", "select.rescore_max_prompts"),
-    ("evaluate", "seed=-1", "seed"), ("evaluate", "num_per_prompt=0", "num_per_prompt"),
-    ("evaluate", "max_prompts=0", "max_prompts"), ("evaluate", "batch_size=0", "batch_size"),
-    ("evaluate", "torch_threads=0", "torch_threads"), ("evaluate", "sampler.num_steps=0", "sampler.num_steps"),
-    ("evaluate", "sampler.guidance=0.5", "sampler.guidance"), ("evaluate", "grid.per_category=-1", "grid.per_category"),
-    ("evaluate", "grid.ncol=0", "grid.ncol"),
-    ("serve_reward", "max_body_mb=0", "max_body_mb"), ("serve_reward", "max_images=0", "max_images"),
-    ("serve_reward", "max_images=2.5", "max_images"), ("serve_reward", "max_image_pixels=-1", "max_image_pixels"),
-    ("serve_reward", "max_request_pixels=0", "max_request_pixels"),
-    ("serve_reward", "decode_workers=0", "decode_workers"),
-    ("serve_reward", "max_inflight=-1", "max_inflight"), ("serve_reward", "read_timeout_s=0", "read_timeout_s"),
-    ("serve_reward", "port=70000", "port"), ("serve_reward", "port=-1", "port"), ("serve_reward", "host=''", "host"),
-]
+BAD_VALUES = _named({
+    "pretrain": [
+        "seed=-1", "torch_threads=0", "arch.num_layers=0", "arch.image_size=30", "arch.qk_norm=batch_norm",
+        "arch.prediction=eps", "arch.t_eps=0", "data.batch_size=0", "data.categories=[circles]", "data.categories=[]",
+        "data.empty_prompt_prob=1.5", "data.num_workers=-1", "objective.t_sampling=cosine", "objective.logit_std=0",
+        "optim.lr=0", "optim.betas=[0.9,1.0]", "optim.betas=[0.9]", "optim.weight_decay=-0.1", "optim.warmup_steps=-1",
+        "optim.min_lr_ratio=2", "optim.grad_clip=-1", "ema.decay=1.0", "trainer.max_steps=0", "trainer.max_time=42min",
+        "trainer.log_every_n_steps=0", "trainer.checkpoint_every_n_steps=0", "trainer.progress_refresh=0",
+        "eval.every_n_steps=-1", "eval.split=test", "eval.max_prompts=0", "eval.num_steps=0", "eval.guidance=0.5",
+        "eval.seed=-1", "eval.grid_per_category=0", "select.target=1.5", "select.low=0.8", "select.high=-0.1",
+        "select.min_category=1", "select.tolerance=-0.1", "select.rescore_top_k=0", "select.rescore_margin=-1",
+        "select.rescore_max_prompts=0",
+    ],
+    "evaluate": [
+        "seed=-1", "num_per_prompt=0", "max_prompts=0", "batch_size=0", "torch_threads=0", "sampler.num_steps=0",
+        "sampler.guidance=0.5", "grid.per_category=-1", "grid.ncol=0",
+    ],
+    "serve_reward": [
+        "max_body_mb=0", "max_images=0", "max_images=2.5", "max_image_pixels=-1", "max_request_pixels=0",
+        "decode_workers=0", "max_inflight=-1", "read_timeout_s=0", "port=70000", "port=-1", "host=''",
+    ],
+})
 
 
 @pytest.mark.parametrize("name,override,field", BAD_VALUES, ids=[f"{n}:{o}" for n, o, _ in BAD_VALUES])
@@ -194,11 +179,9 @@ def test_a_bad_value_of_an_entry_point_names_its_field(name, override, field):
         _settings(name, [override])
 
 
-@pytest.mark.parametrize("name,override,field", [
-    ("pretrain", "optim.lr=inf", "optim.lr"), ("pretrain", "select.tolerance=inf", "select.tolerance"),
-    ("evaluate", "sampler.guidance=inf", "sampler.guidance"),
-    ("serve_reward", "max_body_mb=inf", "max_body_mb"),
-])
+@pytest.mark.parametrize("name,override,field", _named({"pretrain": ["optim.lr=inf", "select.tolerance=inf"],
+                                                         "evaluate": ["sampler.guidance=inf"],
+                                                         "serve_reward": ["max_body_mb=inf"]}))
 def test_the_dataclass_checks_refuse_non_finite_values_on_their_own(name, override, field):
     """inf passes a one-sided bound (lr > 0): the dataclasses refuse it themselves, without cli.check_finite."""
     cls, needs = ENTRY_POINTS[name]

@@ -261,12 +261,12 @@ def test_full_finetune_through_the_training_loop(tmp_path, monkeypatch, beta_kl,
     the KL reference is the frozen initial transformer, checkpoints hold the trained weights, and the run writes the
     (EMA) transformer in diffusers format, which the pipeline's transformer class loads."""
     from diffusers import SD3Transformer2DModel
-    from test_train_loop import make_cfg
 
+    from stepflow.testing.harness import smoke_config
     from stepflow.train import run
 
     monkeypatch.setenv("STEPFLOW_CACHE", str(tmp_path / "cache"))
-    module = run(make_cfg("model=sd3_tiny", "model.finetune=full", "loop.iterations=2", "loop.num_steps=3",
+    module = run(smoke_config("model=sd3_tiny", "model.finetune=full", "loop.iterations=2", "loop.num_steps=3",
                           "reward=pickscore", f"reward.model_path={tiny_clip_dir}", f"reward.processor_path={tiny_clip_dir}",
                           "eval.max_prompts=2", "eval.guidance=1", f"train.beta_kl={beta_kl}", "train.lr=1e-2",
                           "sampler=flow_sde"), tmp_path / "run")

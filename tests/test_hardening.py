@@ -9,7 +9,6 @@ import errno
 import json
 import math
 import os
-import pickle
 import signal
 import socket
 import subprocess
@@ -19,10 +18,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers.payloads import evil_checkpoint
 
 from stepflow.errors import StepflowError
-from stepflow.testing.harness import ROOT, compose_config, run_cli
-from stepflow.testing.harness import one_line_error as _one_line_error
+from stepflow.testing.harness import ROOT, compose_config, one_line_error, run_cli
 
 
 def _train_rows(run_dir: Path) -> list[dict[str, str]]:
@@ -35,31 +34,15 @@ def _ckpt_iteration(path: Path) -> int:
 
 
 # ------------------------------------------------------------------------------------------------ crafted files
-class _Payload:
-    def __init__(self, marker: Path):
-        self.marker = marker
-
-    def __reduce__(self):
-        return (Path.touch, (self.marker,))
-
-
-def _evil(tmp_path: Path) -> tuple[Path, Path]:
-    marker = tmp_path / "PWNED"
-    path = tmp_path / "evil.ckpt"
-    with path.open("wb") as fh:
-        pickle.dump({"state_dict": _Payload(marker), "global_step": _Payload(marker), "stepflow": {}}, fh)
-    return path, marker
-
-
 CRAFTED = {"stepflow.evaluate": ["max_prompts=4"], "stepflow.pretrain": [], "stepflow.train": ["experiment=smoke"]}
 
 
 @pytest.mark.parametrize("module,arg", [("stepflow.evaluate", "ckpt_path"), ("stepflow.pretrain", "resume"),
                                         ("stepflow.train", "ckpt_path")])
 def test_a_crafted_checkpoint_never_runs_code(tmp_path, module, arg):
-    evil, marker = _evil(tmp_path)
+    evil, marker = evil_checkpoint(tmp_path)
     r = run_cli(module, *CRAFTED[module], f"{arg}={evil}", f"hydra.run.dir={tmp_path / 'run'}", timeout=300)
-    _one_line_error(r, "evil.ckpt")
+    one_line_error(r, "evil.ckpt")
     assert not marker.exists()
 
 
@@ -112,7 +95,7 @@ def test_a_signal_checkpoints_prints_the_resume_command_and_exits_non_zero(tmp_p
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == code, err[-3000:]
     assert "Traceback" not in err, err[-3000:]
-    line = _one_line_error(subprocess.CompletedProcess([], proc.returncode, out, err), f"stopped by {sig.name}")
+    line = one_line_error(subprocess.CompletedProcess([], proc.returncode, out, err), f"stopped by {sig.name}")
     assert "resume: python -m stepflow.train experiment=smoke loop.iterations=500 ckpt_path=" in line
     done = _ckpt_iteration(run_dir / "checkpoints" / "last.ckpt")
     assert done == len(_train_rows(run_dir)) >= 1  # the checkpoint holds every logged iteration: none is lost
@@ -141,7 +124,7 @@ def test_sigterm_interrupts_a_hanging_reward_call(tmp_path, http_server):
         out, err = proc.communicate(timeout=60)
         assert time.monotonic() - t0 < 30
         assert proc.returncode == 143, err[-3000:]
-        _one_line_error(subprocess.CompletedProcess([], proc.returncode, out, err), "stopped by SIGTERM")
+        one_line_error(subprocess.CompletedProcess([], proc.returncode, out, err), "stopped by SIGTERM")
         assert "waiting" in out + err  # progress of the slow call was visible before the signal (logged)
     finally:
         server.stop()
@@ -159,14 +142,14 @@ def test_sigterm_interrupts_a_hanging_reward_call(tmp_path, http_server):
     (["callbacks.checkpoint.keep_every=-1"], "keep_every"),
 ])
 def test_bad_values_are_one_line(tmp_path, args, needle, cli):
-    _one_line_error(cli("stepflow.train", "experiment=smoke", f"hydra.run.dir={tmp_path}", *args), needle)
+    one_line_error(cli("stepflow.train", "experiment=smoke", f"hydra.run.dir={tmp_path}", *args), needle)
 
 
 def test_the_readme_pickscore_command_without_weights_is_one_line(tmp_path, cli):
     """`python -m stepflow.train reward=pickscore advantage=gain sampler=ddim_sde` offline, no weights."""
     r = cli("stepflow.train", "reward=pickscore", "advantage=gain", "sampler=ddim_sde",
                 f"hydra.run.dir={tmp_path}", env={"HF_HOME": str(tmp_path / "hf")})
-    _one_line_error(r, "PickScore")
+    one_line_error(r, "PickScore")
 
 
 def test_a_reward_failure_in_the_first_evaluation_stops_cleanly(tmp_path):
@@ -246,7 +229,7 @@ def test_one_run_per_run_directory(tmp_path):
     (run_dir / ".stepflow.lock").write_text(json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
                                                         "since": "today"}))
     r = run_cli("stepflow.train", "experiment=smoke", f"hydra.run.dir={run_dir}")
-    _one_line_error(r, f"in use by another run (pid {os.getpid()}")
+    one_line_error(r, f"in use by another run (pid {os.getpid()}")
     assert not (run_dir / "metrics.csv").exists()
     # a lock whose process is gone is taken over
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
@@ -313,7 +296,7 @@ def test_ckpt_path_auto_resumes_a_requeued_run_and_starts_a_fresh_one(tmp_path):
     (["--multirun", "--cfg", "job"], "Only one of"),  # Hydra's own argument check, outside the task
 ])
 def test_overrides_hydra_cannot_read_are_one_line(tmp_path, args, needle, cli):
-    _one_line_error(cli("stepflow.train", "experiment=smoke", *args), needle)
+    one_line_error(cli("stepflow.train", "experiment=smoke", *args), needle)
 
 
 def test_a_quoted_run_dir_with_equals_signs_is_read(tmp_path, cli):

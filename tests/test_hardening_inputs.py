@@ -7,18 +7,17 @@ any weights load where it can be; in-process unless the whole command line matte
 from __future__ import annotations
 
 import importlib.util
-import pickle
 import shutil
 from pathlib import Path
 
 import pytest
 import torch
 import yaml
-from test_hardening import _evil, _one_line_error
+from helpers.payloads import evil_checkpoint, payload_checkpoint
 
 from stepflow.cli import CONF_DIR
 from stepflow.errors import StepflowError
-from stepflow.testing.harness import ROOT, compose_config
+from stepflow.testing.harness import ROOT, compose_config, one_line_error
 
 
 # ------------------------------------------------------------------------------------------------ checkpoints
@@ -57,7 +56,7 @@ def test_a_file_that_is_no_checkpoint_says_so(tmp_path, kind):
 def test_a_crafted_pickle_is_still_refused_without_running_code(tmp_path):
     from stepflow.checkpoint import safe_load
 
-    evil, marker = _evil(tmp_path)
+    evil, marker = evil_checkpoint(tmp_path)
     with pytest.raises(StepflowError, match=r"ckpt_path: .*evil\.ckpt cannot be loaded as a checkpoint without "
                                             r"running code from it \(torch.load\(weights_only=True\) refused it"):
         safe_load(evil, "ckpt_path")
@@ -78,15 +77,10 @@ def test_a_reward_checkpoint_of_random_bytes_is_not_called_code(tmp_path):
     msg = str(info.value)
     assert "it is not a checkpoint (not a torch file" in msg and "reward.checkpoint" in msg, msg
     assert "running code" not in msg and "\n" not in msg, msg
-    with (tmp_path / "evil.pt").open("wb") as fh:  # a pickle that needs code: still the refusal
-        pickle.dump({"x": _Code()}, fh)
-    with pytest.raises(RewardLoadError, match="without running code from it"):
-        load_state_dict(str(tmp_path / "evil.pt"), "HPSv2 checkpoint", "reward.checkpoint")
-
-
-class _Code:
-    def __reduce__(self):
-        return (print, ("this must never run",))
+    evil, marker = payload_checkpoint(tmp_path, "evil.pt", {}, legacy_pickle=True)  # a pickle that needs code
+    with pytest.raises(RewardLoadError, match="without running code from it"):  # still the refusal
+        load_state_dict(evil, "HPSv2 checkpoint", "reward.checkpoint")
+    assert not marker.exists()
 
 
 def test_train_with_a_checkpoint_of_random_bytes_is_one_line(tmp_path, cli):
@@ -95,7 +89,7 @@ def test_train_with_a_checkpoint_of_random_bytes_is_one_line(tmp_path, cli):
     rand = tmp_path / "rand.ckpt"
     rand.write_bytes(b"garbage")
     r = cli("stepflow.train", "experiment=smoke", f"ckpt_path={rand}", f"hydra.run.dir={tmp_path / 'run'}")
-    line = _one_line_error(r, "ckpt_path")
+    line = one_line_error(r, "ckpt_path")
     assert "is not a checkpoint" in line and "running code" not in r.stderr + r.stdout, line
 
 
@@ -277,7 +271,7 @@ def test_a_damaged_config_json_in_transformer_path_is_one_line(sd3_copy, tmp_pat
 def test_negative_guidance_on_the_command_line_is_one_line(tmp_path, model, override, needle, cli):
     """The issue's acceptance lines, through Hydra's instantiate and the entry point."""
     r = cli("stepflow.train", "experiment=smoke", f"model={model}", override, f"hydra.run.dir={tmp_path}")
-    assert _one_line_error(r, needle).startswith(f"stepflow: error: {needle}: must be ")
+    assert one_line_error(r, needle).startswith(f"stepflow: error: {needle}: must be ")
 
 
 def test_guidance_inf_through_build_policy_is_one_line(tmp_path, monkeypatch):

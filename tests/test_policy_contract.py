@@ -203,19 +203,21 @@ def test_decode_is_fp32_images_in_0_1(built, fam):
 
 
 def _perturbed(compose, fam):
+    """A policy of ``fam`` with a non-trivial adapter, latents, the conditioning of :data:`PROMPTS` and the adapted
+    velocity there at t = 0.7: ``(policy, x, cond, velocity)``."""
     pol = _build(compose, fam)
     with torch.no_grad():
         for p in pol.lora_parameters():
             p.normal_(0.0, 0.2)  # gaussian init has B = 0: make the adapter non-trivial
-    return pol
+    x, cond = _latents(pol), pol.encode(PROMPTS)
+    with torch.no_grad():
+        return pol, x, cond, pol.velocity(x, 0.7, cond)
 
 
 @pytest.mark.parametrize("fam", PARAMS)
 def test_lora_changes_the_velocity_and_reference_is_the_base(compose, fam, tmp_path):
-    pol = _perturbed(compose, fam)
-    x, cond = _latents(pol), pol.encode(PROMPTS)
+    pol, x, cond, ours = _perturbed(compose, fam)
     with torch.no_grad():
-        ours = pol.velocity(x, 0.7, cond)
         with pol.disable_adapter():
             base = pol.velocity(x, 0.7, cond)
         with pol.reference():
@@ -234,10 +236,7 @@ LORA_PARAMS = [pytest.param(f, id=f.id, marks=RELOAD_BUGS[f.reload_bug] if f.rel
 
 @pytest.mark.parametrize("fam", LORA_PARAMS)
 def test_a_saved_adapter_loads_back_exactly(compose, fam, tmp_path):
-    pol = _perturbed(compose, fam)
-    x, cond = _latents(pol), pol.encode(PROMPTS)
-    with torch.no_grad():
-        ours = pol.velocity(x, 0.7, cond)
+    pol, x, _, ours = _perturbed(compose, fam)
     saved = pol.save_trained(tmp_path / "run" / pol.trained_subdir)
     fresh = _base(compose, fam)  # the model alone, as model.lora.path / evaluate load it
     assert not fresh.has_lora

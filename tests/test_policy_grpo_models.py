@@ -28,11 +28,10 @@ MODELS = {
 
 def run_one_iteration(run_dir, *overrides):
     """Compose ``train`` with the smoke experiment and ``overrides``, run one iteration, return the module."""
-    from test_train_loop import make_cfg
-
+    from stepflow.testing.harness import smoke_config
     from stepflow.train import run
 
-    return run(make_cfg("loop.iterations=1", *overrides), run_dir)
+    return run(smoke_config("loop.iterations=1", *overrides), run_dir)
 
 
 @pytest.mark.parametrize("advantage", ["gain", "uniform"])

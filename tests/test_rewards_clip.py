@@ -7,16 +7,11 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn as nn
+from helpers.references import aesthetic_head, aesthetic_state_dict
 
 from stepflow.errors import RewardLoadError
 
 PROMPTS = ["a photo of a cat", "a red cube on a table", "two dogs", "an astronaut riding a horse"]
-
-
-def _clip_tokenizer():
-    from stepflow.testing.tiny_rewards import clip_tokenizer
-
-    return clip_tokenizer()
 
 
 @pytest.fixture(scope="module")
@@ -28,8 +23,8 @@ def images():
 def _reference(d, images, prompts):
     """logits_per_image.diag(), the normalized image embeds and logit_scale.exp(), via the plain CLIPModel forward on
     the pixels of the published preprocessing (transformers 4's PIL ``CLIPImageProcessor``, built independently in
-    ``test_rewards_preprocess.clip_processor_reference``) of the uint8-rounded images."""
-    from test_rewards_preprocess import clip_processor_reference, flow_grpo_uint8
+    ``helpers.references.clip_processor_reference``) of the uint8-rounded images."""
+    from helpers.references import clip_processor_reference, flow_grpo_uint8
     from transformers import CLIPModel, CLIPTokenizer
 
     model, tok = CLIPModel.from_pretrained(d).eval(), CLIPTokenizer.from_pretrained(d)
@@ -81,12 +76,10 @@ def test_aesthetic_is_mlp_of_normalized_embedding(tiny_clip_dir, images, tmp_pat
     from stepflow.rewards.aesthetic import AestheticScore
 
     torch.manual_seed(3)
-    # the released head, written out independently of stepflow's class (keys layers.0/2/4/6/7)
-    head = nn.Sequential(nn.Linear(768, 1024), nn.Dropout(0.2), nn.Linear(1024, 128), nn.Dropout(0.2),
-                         nn.Linear(128, 64), nn.Dropout(0.1), nn.Linear(64, 16), nn.Linear(16, 1)).eval()
+    head = aesthetic_head().eval()  # the released head, written out independently of stepflow's class
     for p in head.parameters():
         nn.init.normal_(p, std=0.2)
-    torch.save({"layers." + k: v for k, v in head.state_dict().items()}, tmp_path / "aes.pth")
+    torch.save(aesthetic_state_dict(head), tmp_path / "aes.pth")
     r = AestheticScore(clip_path=tiny_clip_dir, mlp_path=str(tmp_path / "aes.pth"), device="cpu")
     _, img_emb, _ = _reference(tiny_clip_dir, images, PROMPTS)
     torch.testing.assert_close(img_emb.norm(dim=-1), torch.ones(len(PROMPTS)))  # CLIPModel returns them normalized
@@ -191,11 +184,10 @@ def test_clip_rewards_run_in_bf16(tiny_clip_dir, images, tmp_path):
     from stepflow.rewards.registry import build_reward
 
     torch.manual_seed(3)
-    head = nn.Sequential(nn.Linear(768, 1024), nn.Dropout(0.2), nn.Linear(1024, 128), nn.Dropout(0.2),
-                         nn.Linear(128, 64), nn.Dropout(0.1), nn.Linear(64, 16), nn.Linear(16, 1))
+    head = aesthetic_head()
     for p in head.parameters():
         nn.init.normal_(p, std=0.2)
-    torch.save({"layers." + k: v for k, v in head.state_dict().items()}, tmp_path / "aes.pth")
+    torch.save(aesthetic_state_dict(head), tmp_path / "aes.pth")
     # tolerances: ~3x the measured bf16 error; the logit is 57 * cos, the cosine ~1e-2, the aesthetic score ~1
     cases = {"pickscore": ([f"model_path={tiny_clip_dir}", f"processor_path={tiny_clip_dir}", "scale=1"], 0.08),
              "clipscore": ([f"model_path={tiny_clip_dir}", "mode=cosine"], 2e-3),
@@ -211,13 +203,10 @@ def test_clip_rewards_run_in_bf16(tiny_clip_dir, images, tmp_path):
 def test_aesthetic_mlp_pickle_cannot_run_code(tiny_clip_dir, tmp_path):
     """The MLP file is read with weights_only=True: a payload in it does not run; one-line error naming the path and
     reward.mlp_path."""
-    from test_rewards_hpsv2 import assert_payload_refused, payload_checkpoint
+    from helpers.payloads import assert_payload_refused, payload_checkpoint
 
     from stepflow.rewards.registry import build_reward
 
-    head = nn.Sequential(nn.Linear(768, 1024), nn.Dropout(0.2), nn.Linear(1024, 128), nn.Dropout(0.2),
-                         nn.Linear(128, 64), nn.Dropout(0.1), nn.Linear(64, 16), nn.Linear(16, 1))
-    sd = {"layers." + k: v for k, v in head.state_dict().items()}
-    path, marker = payload_checkpoint(tmp_path, "aes.pth", sd)
+    path, marker = payload_checkpoint(tmp_path, "aes.pth", aesthetic_state_dict(aesthetic_head()))
     assert_payload_refused(lambda: build_reward("aesthetic", [f"clip_path={tiny_clip_dir}", f"mlp_path={path}",
                                                               "device=cpu"]), path, marker, "reward.mlp_path=")

@@ -1,17 +1,16 @@
 """HPSv2 on a tiny random open_clip model: saved as an HPS-style checkpoint ({"state_dict": ...}), loaded back by the
 reward, and checked against HPSv2's own formula run on open_clip directly: diag(image_features @ text_features.T)
 with the normalized features of ``model(image, text)`` on the pixels of HPSv2's own transform (built independently
-in ``test_rewards_preprocess.hpsv2_reference``). Also: bf16, and checkpoints that would run code are refused."""
+in ``helpers.references.hpsv2_reference``). Also: bf16, and checkpoints that would run code are refused."""
 
 from __future__ import annotations
 
 import copy
 import json
-import pickle
-import zipfile
 
 import pytest
 import torch
+from helpers.payloads import assert_payload_refused, payload_checkpoint
 
 from stepflow.errors import RewardLoadError
 
@@ -39,7 +38,7 @@ def hps_ckpt(tmp_path_factory):
 
 def test_hpsv2_is_cosine_of_normalized_embeddings(hps_ckpt):
     import open_clip
-    from test_rewards_preprocess import flow_grpo_uint8, hpsv2_reference
+    from helpers.references import flow_grpo_uint8, hpsv2_reference
 
     from stepflow.rewards.hpsv2 import HPSv2
 
@@ -95,40 +94,6 @@ def test_hpsv2_runs_in_bf16(hps_ckpt):
 
 
 # ------------------------------------------------------------------ checkpoints are read without running code
-
-
-class Payload:
-    """What a malicious checkpoint holds: unpickling it calls ``exec``, which here only writes a marker file."""
-
-    def __init__(self, marker):
-        self.marker = str(marker)
-
-    def __reduce__(self):
-        return (exec, (f"open({self.marker!r}, 'w').write('code from the checkpoint ran')",))
-
-
-def payload_checkpoint(d, name, obj, legacy_pickle=False):
-    """``obj`` (a checkpoint dict) with a :class:`Payload` added, saved by ``torch.save`` (or plain ``pickle``)."""
-    marker = d / "PAYLOAD_RAN"
-    obj = {**obj, "__payload__": Payload(marker)}
-    with open(d / name, "wb") as f:
-        pickle.dump(obj, f, protocol=4) if legacy_pickle else torch.save(obj, f)
-    return str(d / name), marker
-
-
-def assert_payload_refused(build, path, marker, key):
-    """Loading fails with one line naming the path and the config key, and the payload did not run; then the
-    control: an unsafe load of the same file *does* run it (the test's payload is live)."""
-    with pytest.raises(RewardLoadError) as ei:
-        build()
-    msg = str(ei.value)
-    assert "\n" not in msg and path in msg and key in msg and "weights_only=True" in msg, msg
-    assert not marker.exists(), "the checkpoint's code ran"
-    with open(path, "rb") as f:
-        torch.load(f, weights_only=False) if zipfile.is_zipfile(path) else pickle.load(f)
-    assert marker.exists()
-    marker.unlink()
-    return msg
 
 
 @pytest.mark.filterwarnings("ignore:Detected pickle protocol 4")

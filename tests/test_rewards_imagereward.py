@@ -10,22 +10,16 @@ from __future__ import annotations
 import json
 import math
 
-import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from PIL import Image
+from helpers.references import flow_grpo_uint8, imagereward_reference
+from helpers.tiny_text import MED, write_bert_vocab
 
 from stepflow.errors import RewardLoadError
 
 MEAN, STD = 0.16717362830052426, 1.0333394966054072
-WORDS = ["a", "photo", "of", "cat", "dog", "red", "cube", "on", "the", "table", "two", "##s", "sign", "open"]
 PROMPTS = ["a photo of a cat", "two red cubes on the table", "a sign", "xyzzy dogs"]  # "xyzzy" -> [UNK]
-MED = {"architectures": ["BertModel"], "attention_probs_dropout_prob": 0.1, "hidden_act": "gelu",
-       "hidden_dropout_prob": 0.1, "hidden_size": 32, "initializer_range": 0.02, "intermediate_size": 64,
-       "layer_norm_eps": 1e-12, "max_position_embeddings": 40, "model_type": "bert", "num_attention_heads": 4,
-       "num_hidden_layers": 2, "pad_token_id": 0, "type_vocab_size": 2, "vocab_size": 5 + len(WORDS) + 2,
-       "encoder_width": 768, "add_cross_attention": True}
 VIT = dict(img_size=32, patch_size=8, embed_dim=48, depth=2, num_heads=4)
 
 
@@ -35,8 +29,7 @@ def ir_dir(tmp_path_factory):
     from stepflow.rewards.imagereward import ImageRewardModel
 
     d = tmp_path_factory.mktemp("imagereward")
-    tok = tmp_path_factory.mktemp("bert_tok")
-    (tok / "vocab.txt").write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + WORDS) + "\n")
+    tok = write_bert_vocab(tmp_path_factory.mktemp("bert_tok"))
     (d / "med_config.json").write_text(json.dumps(MED))
     torch.manual_seed(0)
     model = ImageRewardModel(MedConfig.from_dict(MED), VIT)
@@ -108,15 +101,9 @@ def _reference(sd, pix, ids, mask):
 
 
 def _pixels(images):
-    """ImageReward's transform for square inputs: bicubic resize to 32, CenterCrop (no-op), CLIP mean/std."""
-    u8 = (images * 255).round().clamp(0, 255).to(torch.uint8).permute(0, 2, 3, 1).numpy()
-    mean = torch.tensor([0.48145466, 0.4578275, 0.40821073])[:, None, None]
-    std = torch.tensor([0.26862954, 0.26130258, 0.27577711])[:, None, None]
-    out = []
-    for a in u8:
-        im = Image.fromarray(a).resize((VIT["img_size"],) * 2, Image.BICUBIC)
-        out.append((torch.from_numpy(np.asarray(im).copy()).permute(2, 0, 1).float() / 255 - mean) / std)
-    return torch.stack(out)
+    """ImageReward's ``_transform`` at 32 px (square inputs: bicubic resize, a no-op CenterCrop, CLIP mean/std) of the
+    uint8-rounded images (:func:`helpers.references.imagereward_reference`)."""
+    return torch.stack([imagereward_reference(a, size=VIT["img_size"]) for a in flow_grpo_uint8(images)])
 
 
 def test_imagereward_matches_stepwise_forward(ir_dir):
@@ -193,7 +180,7 @@ def test_imagereward_runs_in_bf16(ir_dir):
 def test_imagereward_checkpoint_cannot_run_code(ir_dir, tmp_path):
     """ImageReward.pt is read with weights_only=True: a payload does not run; one line naming the path and
     reward.model_path. The ``weights_only`` option is gone."""
-    from test_rewards_hpsv2 import assert_payload_refused, payload_checkpoint
+    from helpers.payloads import assert_payload_refused, payload_checkpoint
 
     from stepflow.rewards.imagereward import ImageReward
     from stepflow.rewards.registry import build_reward, reward_config

@@ -2,11 +2,12 @@
 
 For every reward, the test builds tiny random models at the real input size (224 px; big patches keep them cheap),
 saves them in the released files' format, loads them back through the rewards' own loading code, records the pixel
-tensor the reward actually feeds its vision tower (a forward pre-hook), and compares it with a tensor built here,
-independently, from the official code's definition with PIL / NumPy / ``torch.nn.functional``, for square (512²),
-wide (320×480), tall (480×320) and odd (333×517) decoded images. Every definition starts from Flow-GRPO's uint8
-rounding of the decoded float image, ``(x * 255).round().clamp(0, 255).to(uint8)`` (``flow_grpo/rewards.py``:
-``pickscore_score``, ``aesthetic_score``, ``imagereward_score``), then ``Image.fromarray``.
+tensor the reward actually feeds its vision tower (a forward pre-hook), and compares it with a tensor built
+independently (``tests/helpers/references.py``) from the official code's definition with PIL / NumPy /
+``torch.nn.functional``, for square (512²), wide (320×480), tall (480×320) and odd (333×517) decoded images. Every
+definition starts from Flow-GRPO's uint8 rounding of the decoded float image,
+``(x * 255).round().clamp(0, 255).to(uint8)`` (``flow_grpo/rewards.py``: ``pickscore_score``, ``aesthetic_score``,
+``imagereward_score``), then ``Image.fromarray``.
 """
 
 from __future__ import annotations
@@ -17,10 +18,18 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers.references import (
+    MEAN,
+    STD,
+    aesthetic_head,
+    aesthetic_state_dict,
+    clip_processor_reference,
+    flow_grpo_uint8,
+    hpsv2_reference,
+    imagereward_reference,
+)
 from PIL import Image
 
-MEAN = np.array([0.48145466, 0.4578275, 0.40821073], dtype=np.float32)  # OpenAI CLIP mean / std
-STD = np.array([0.26862954, 0.26130258, 0.27577711], dtype=np.float32)
 SIZES = [(512, 512), (320, 480), (480, 320), (333, 517)]  # (H, W); 517 -> 347 px long side: odd overhang 123
 PROMPTS = ["a photo of a cat", "two red cubes on the table"]
 
@@ -30,67 +39,6 @@ def decoded(h: int, w: int, seed: int = 0) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed + h * 1000 + w)
     base = F.interpolate(torch.rand(2, 3, max(h // 16, 2), max(w // 16, 2), generator=g), size=(h, w), mode="bilinear")
     return (0.8 * base + 0.2 * torch.rand(2, 3, h, w, generator=g)).clamp(0, 1)
-
-
-def flow_grpo_uint8(images: torch.Tensor) -> list[np.ndarray]:
-    """``flow_grpo/rewards.py``: ``(images * 255).round().clamp(0, 255).to(torch.uint8)``, NCHW -> NHWC."""
-    return list((images * 255).round().clamp(0, 255).to(torch.uint8).permute(0, 2, 3, 1).numpy())
-
-
-def _short_side_size(w: int, h: int, size: int) -> tuple[int, int]:
-    """Both torchvision ``Resize(size)`` and transformers' ``get_resize_output_image_size(default_to_square=False)``:
-    short side -> size, long side -> ``int(size * long / short)``; returns PIL's (width, height)."""
-    short, long = min(w, h), max(w, h)
-    new_long = int(size * long / short)
-    return (size, new_long) if w <= h else (new_long, size)
-
-
-def _to_chw_normalized(a: np.ndarray) -> torch.Tensor:
-    x = a.astype(np.float32) / np.float32(255)
-    return torch.from_numpy(((x - MEAN) / STD).transpose(2, 0, 1).copy())
-
-
-def clip_processor_reference(a: np.ndarray, size: int = 224, crop: int = 224) -> torch.Tensor:
-    """transformers 4's (PIL) ``CLIPImageProcessor``, as PickScore's README (``AutoProcessor`` of
-    ``laion/CLIP-ViT-H-14-laion2B-s32B-b79K``) and Flow-GRPO's ``pickscore_scorer.py::PickScoreScorer.__call__`` /
-    ``aesthetic_scorer.py::AestheticScorer.__call__`` run it, with the released ``preprocessor_config.json``
-    (``size: 224, crop_size: 224, resample: 3``): ``PIL.Image.resize`` bicubic of the short side
-    (``image_transforms.resize`` -> ``to_pil_image`` -> ``Image.resize(..., resample=BICUBIC, reducing_gap=None)``),
-    ``center_crop`` at ``top = (h - crop) // 2``, ``left = (w - crop) // 2``, ``rescale(1/255)``, ``normalize``."""
-    im = Image.fromarray(a)
-    im = im.resize(_short_side_size(*im.size, size), Image.BICUBIC)
-    x = np.asarray(im)
-    top, left = (x.shape[0] - crop) // 2, (x.shape[1] - crop) // 2
-    return _to_chw_normalized(x[top:top + crop, left:left + crop])
-
-
-def imagereward_reference(a: np.ndarray, size: int = 224) -> torch.Tensor:
-    """``ImageReward/ImageReward.py::_transform(224)``: torchvision ``Resize(224, BICUBIC)`` on the PIL image (=
-    ``Image.resize`` bicubic, short side -> 224), ``CenterCrop(224)`` (``top = int(round((h - 224) / 2.0))``, then
-    ``Image.crop``), RGB, ``ToTensor`` (/255), ``Normalize`` with the CLIP mean/std."""
-    im = Image.fromarray(a)
-    im = im.resize(_short_side_size(*im.size, size), Image.BICUBIC)
-    w, h = im.size
-    top, left = int(round((h - size) / 2.0)), int(round((w - size) / 2.0))
-    return _to_chw_normalized(np.asarray(im.crop((left, top, left + size, top + size)).convert("RGB")))
-
-
-def hpsv2_reference(a: np.ndarray, size: int = 224, antialias: bool = True) -> torch.Tensor:
-    """HPSv2's ``preprocess_val``: ``hpsv2/img_score.py`` builds it with ``create_model_and_transforms(...,
-    light_augmentation=True)`` -> ``hpsv2/src/open_clip/transform.py::image_transform(224, is_train=False,
-    resize_longest_max=True)`` = ``[_convert_to_rgb_or_rgba, ToTensor(), ResizeMaxSize(224, fill=0),
-    MaskAwareNormalize(mean, std)]``. ``ResizeMaxSize.forward`` on the float tensor: ``scale = 224 / max(H, W)``,
-    ``new = (round(H * scale), round(W * scale))``, ``F.resize(img, new, BICUBIC)`` (torchvision's tensor resize =
-    ``interpolate(mode="bicubic", align_corners=False, antialias=True)`` on torchvision >= 0.17, no clamp), then
-    ``F.pad`` with 0 by ``[pad_w // 2, pad_h // 2, pad_w - pad_w // 2, pad_h - pad_h // 2]``."""
-    x = torch.from_numpy(a.copy()).permute(2, 0, 1).float() / 255
-    height, width = x.shape[1:]
-    scale = size / float(max(height, width))
-    new = (round(height * scale), round(width * scale))
-    x = F.interpolate(x[None], size=new, mode="bicubic", align_corners=False, antialias=antialias)[0]
-    ph, pw = size - new[0], size - new[1]
-    x = F.pad(x, (pw // 2, pw - pw // 2, ph // 2, ph - ph // 2), value=0.0)
-    return (x - torch.from_numpy(MEAN)[:, None, None]) / torch.from_numpy(STD)[:, None, None]
 
 
 class Capture:
@@ -123,18 +71,13 @@ def clip224_dir(tmp_path_factory):
     """A tiny CLIPModel with a 224-px vision tower, saved like the hub repos: ``save_pretrained`` weights + tokenizer
     and the released (legacy) ``preprocessor_config.json`` of ``openai/clip-vit-large-patch14`` /
     ``laion/CLIP-ViT-H-14-laion2B-s32B-b79K``."""
-    from test_rewards_clip import _clip_tokenizer
-    from transformers import CLIPConfig, CLIPModel
+    from transformers import CLIPModel
+
+    from stepflow.testing.tiny_rewards import clip_tokenizer, tiny_clip_config
 
     torch.manual_seed(0)
-    tok = _clip_tokenizer()
-    cfg = CLIPConfig(
-        text_config=dict(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                         num_attention_heads=4, max_position_embeddings=77, bos_token_id=tok.bos_token_id,
-                         eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id),
-        vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
-                           image_size=224, patch_size=56, projection_dim=768),
-        projection_dim=768)
+    tok = clip_tokenizer()
+    cfg = tiny_clip_config(tok, image_size=224, patch_size=56, num_layers=1)
     d = tmp_path_factory.mktemp("clip224")
     CLIPModel(cfg).eval().save_pretrained(d)
     tok.save_pretrained(d)
@@ -147,11 +90,8 @@ def clip224_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def aesthetic_mlp(tmp_path_factory):
-    head = torch.nn.Sequential(torch.nn.Linear(768, 1024), torch.nn.Dropout(0.2), torch.nn.Linear(1024, 128),
-                               torch.nn.Dropout(0.2), torch.nn.Linear(128, 64), torch.nn.Dropout(0.1),
-                               torch.nn.Linear(64, 16), torch.nn.Linear(16, 1))
     p = tmp_path_factory.mktemp("aes") / "sac+logos+ava1-l14-linearMSE.pth"
-    torch.save({"layers." + k: v for k, v in head.state_dict().items()}, p)
+    torch.save(aesthetic_state_dict(aesthetic_head()), p)
     return str(p)
 
 
@@ -253,14 +193,13 @@ def test_hpsv2_reference_is_not_open_clips_default_or_pil():
 def ir224(tmp_path_factory):
     """A tiny BLIP ImageReward at 224 px, laid out like ``THUDM/ImageReward`` (``ImageReward.pt`` state dict,
     ``med_config.json``) plus a BERT ``vocab.txt``."""
-    from test_rewards_imagereward import MED, WORDS
+    from helpers.tiny_text import MED, write_bert_vocab
 
     from stepflow.rewards.blip import MedConfig
     from stepflow.rewards.imagereward import ImageRewardModel
 
     d = tmp_path_factory.mktemp("ir224")
-    tok = tmp_path_factory.mktemp("ir224_tok")
-    (tok / "vocab.txt").write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + WORDS) + "\n")
+    tok = write_bert_vocab(tmp_path_factory.mktemp("ir224_tok"))
     (d / "med_config.json").write_text(json.dumps(MED))
     torch.manual_seed(0)
     vit = dict(img_size=224, patch_size=56, embed_dim=48, depth=1, num_heads=4)

@@ -9,11 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from stepflow.testing.harness import compose_config, run_cli
+from stepflow.testing.harness import compose_config, run_cli, smoke_config
 
-
-def make_cfg(*overrides: str):
-    return compose_config("train", ["experiment=smoke", *overrides])
+make_cfg = smoke_config  # this module's name for the smoke config with overrides
 
 
 def fit(tmp_path: Path, *overrides: str):

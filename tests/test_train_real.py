@@ -6,7 +6,8 @@ from __future__ import annotations
 import csv
 
 import pytest
-from test_train_loop import make_cfg
+
+from stepflow.testing.harness import smoke_config
 
 
 @pytest.mark.parametrize("advantage", ["gain", "uniform"])
@@ -14,7 +15,7 @@ def test_one_iteration_sd3_tiny_with_tiny_pickscore(tmp_path, tiny_clip_dir, adv
     from stepflow.train import run
 
     monkeypatch.setenv("STEPFLOW_CACHE", str(tmp_path / "cache"))  # the tiny pipeline is built, saved, loaded here
-    cfg = make_cfg("model=sd3_tiny", "reward=pickscore", f"reward.model_path={tiny_clip_dir}",
+    cfg = smoke_config("model=sd3_tiny", "reward=pickscore", f"reward.model_path={tiny_clip_dir}",
                    f"reward.processor_path={tiny_clip_dir}", f"advantage={advantage}", "loop.iterations=1",
                    "loop.guidance=4.5", "eval.max_prompts=4", "eval.guidance=4.5", "loop.num_steps=3",
                    "lora.rank=2", "lora.alpha=4")

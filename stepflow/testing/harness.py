@@ -2,7 +2,7 @@
 
 - :func:`compose_config`: the tests' door to :func:`stepflow.config.compose` (the one Hydra composition of
   ``stepflow/conf/<config_name>.yaml``); tests call it or request the ``compose`` fixture, never
-  ``initialize_config_dir``;
+  ``initialize_config_dir``; :func:`smoke_config`: the ``train`` config of ``experiment=smoke`` with overrides;
 - :func:`run_in_process`: ``python -m <module> <args>`` run in this process (the ``cli`` fixture): exit status,
   stdout and stderr as a subprocess would give them, without the seconds of a fresh interpreter's imports;
 - :func:`run_module`: the same in a subprocess, offline (one test per entry point, and the multi-process tests);
@@ -37,6 +37,12 @@ def compose_config(config_name: str = "train", overrides: Iterable[str] = (), re
     from stepflow.config import compose
 
     return compose(config_name, list(overrides), return_hydra_config=return_hydra_config)
+
+
+def smoke_config(*overrides: str):
+    """The ``train`` config of the CPU smoke experiment with ``overrides`` on top: ``compose_config("train",
+    ["experiment=smoke", *overrides])``, the tests' starting point for a run of the loop on the tiny shapes model."""
+    return compose_config("train", ["experiment=smoke", *overrides])
 
 
 def run_module(module: str, *args: str, timeout: int = 300, cwd: Path | str = ROOT, env: dict | None = None

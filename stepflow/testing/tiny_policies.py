@@ -52,8 +52,9 @@ def keeps_rng(fn):
     return wrapped
 
 
-def _bytes_to_unicode() -> list[str]:
-    """GPT-2/CLIP's reversible byte -> unicode table."""
+def bytes_to_unicode() -> dict[int, str]:
+    """GPT-2/CLIP's reversible byte -> unicode table of a byte-level BPE: printable bytes map to themselves, the rest
+    to code points >= 256; in the order of the 256 one-character tokens (printable bytes first)."""
     bs = list(range(33, 127)) + list(range(161, 173)) + list(range(174, 256))
     cs = bs[:]
     n = 0
@@ -62,14 +63,14 @@ def _bytes_to_unicode() -> list[str]:
             bs.append(b)
             cs.append(256 + n)
             n += 1
-    return [chr(c) for c in cs]
+    return dict(zip(bs, map(chr, cs)))
 
 
 def make_clip_tokenizer(model_max_length: int = 77):
     """A byte-level BPE ``CLIPTokenizer`` with a handful of merges (about 520 tokens)."""
     from transformers import CLIPTokenizer
 
-    chars = _bytes_to_unicode()
+    chars = list(bytes_to_unicode().values())
     tokens = chars + [c + "</w>" for c in chars]
     merges = ["t h", "th e</w>", "o n</w>", "c a", "ca t</w>", "d o", "do g</w>", "r e", "re d</w>"]
     tokens += ["".join(m.split()) for m in merges if "".join(m.split()) not in tokens]
@@ -198,10 +199,8 @@ def make_qwen_tokenizer():
     Qwen-Image's template splits as with Qwen's own tokenizer (34 tokens before the prompt)."""
     from transformers import Qwen2Tokenizer
 
-    chars = _bytes_to_unicode()
-    order = list(range(33, 127)) + list(range(161, 173)) + list(range(174, 256))
-    order += [b for b in range(256) if b not in order]
-    byte_char = dict(zip(order, chars))
+    byte_char = bytes_to_unicode()
+    chars = list(byte_char.values())
     vocab = {c: i for i, c in enumerate(chars)}
     merges: list[tuple[str, str]] = []
     for word in QWEN_TEMPLATE_WORDS + [" " + w for w in _WORDS]:

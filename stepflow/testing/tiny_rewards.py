@@ -11,32 +11,34 @@ import math
 import os
 from pathlib import Path
 
-from stepflow.testing.tiny_policies import keeps_rng
+from stepflow.testing.tiny_policies import bytes_to_unicode, keeps_rng
 
-__all__ = ["clip_tokenizer", "build_tiny_clip", "tiny_clip_dir", "tiny_pickscore"]
-
-
-def _bytes_to_unicode() -> dict[int, str]:
-    """GPT-2/CLIP byte-level alphabet (printable bytes map to themselves, the rest to code points >= 256)."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
-    cs = bs[:]
-    n = 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return dict(zip(bs, map(chr, cs)))
+__all__ = ["clip_tokenizer", "tiny_clip_config", "build_tiny_clip", "tiny_clip_dir", "tiny_pickscore"]
 
 
 def clip_tokenizer():
     """A tiny but complete byte-level CLIP BPE tokenizer (516 tokens, two merges): any text tokenizes."""
     from transformers import CLIPTokenizer
 
-    v = list(_bytes_to_unicode().values())
+    v = list(bytes_to_unicode().values())
     merges = [("a", "t</w>"), ("c", "at</w>")]
     v = v + [x + "</w>" for x in v] + ["at</w>", "cat</w>", "<|startoftext|>", "<|endoftext|>"]
     return CLIPTokenizer(vocab={t: i for i, t in enumerate(v)}, merges=merges, model_max_length=77)
+
+
+def tiny_clip_config(tokenizer, image_size: int = 32, patch_size: int = 8, num_layers: int = 2, **kwargs):
+    """A tiny ``CLIPConfig`` for ``tokenizer`` (:func:`clip_tokenizer`: its vocabulary size and special tokens): both
+    towers 32 wide, 4 heads, ``num_layers`` deep, a ViT of ``image_size`` px in ``patch_size`` patches, projection
+    width 768 (ViT-L/14's, which the aesthetic head expects); ``kwargs`` go to ``CLIPConfig``."""
+    from transformers import CLIPConfig
+
+    return CLIPConfig(
+        text_config=dict(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=num_layers,
+                         num_attention_heads=4, max_position_embeddings=77, bos_token_id=tokenizer.bos_token_id,
+                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id),
+        vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=num_layers, num_attention_heads=4,
+                           image_size=image_size, patch_size=patch_size, projection_dim=768),
+        projection_dim=768, **kwargs)
 
 
 @keeps_rng
@@ -44,19 +46,11 @@ def build_tiny_clip(directory: str | os.PathLike, seed: int = 0) -> Path:
     """Write a random tiny ``CLIPModel`` (projection width 768, ViT-L/14's, which the aesthetic head expects) and its
     ``CLIPProcessor`` (32 px) to ``directory``."""
     import torch
-    from transformers import CLIPConfig, CLIPImageProcessor, CLIPModel, CLIPProcessor
+    from transformers import CLIPImageProcessor, CLIPModel, CLIPProcessor
 
     torch.manual_seed(seed)
     tok = clip_tokenizer()
-    cfg = CLIPConfig(
-        text_config=dict(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, max_position_embeddings=77, bos_token_id=tok.bos_token_id,
-                         eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id),
-        vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                           image_size=32, patch_size=8, projection_dim=768),
-        projection_dim=768,
-        logit_scale_init_value=math.log(57.0),
-    )
+    cfg = tiny_clip_config(tok, logit_scale_init_value=math.log(57.0))
     proc = CLIPProcessor(image_processor=CLIPImageProcessor(size={"shortest_edge": 32},
                                                             crop_size={"height": 32, "width": 32}), tokenizer=tok)
     d = Path(directory)
