@@ -117,7 +117,7 @@ _ABLATIONS: dict[str, tuple[str, str, dict[str, list[str]], list[dict[str, str]]
         "(advantage=gain_per_step). Paper: joint converges faster, final rewards similar."),
     "credit": (
         "mini_fig7_credit", "paper_fig7_credit",
-        {"advantage": ["gain", "gain_ema", "gae", "distill"]}, [],
+        {"advantage": ["gain", "gain_ema", "gae"]}, [{"objective": "distill"}],
         "credit variants (paper Fig. 7, App. A)",
         "Plain gains vs gains minus a per-step EMA baseline (alpha 0.9) vs GAE over the gains (gamma 1, lambda 0.9) "
         "vs gain-weighted ODE progressive distillation. Paper: no variant is significantly better than plain gains."),
@@ -152,7 +152,7 @@ def build_suites() -> dict[str, Suite]:
         "quick",
         make_ablations("mini", axes_override={"substeps": {"loop.substeps": ["1", "5"]},
                                               "credit": {"advantage": ["gain", "gae"]}},
-                       extra_override={"substeps": []}),
+                       extra_override={"substeps": [], "credit": []}),
         [0, 1], common=list(QUICK_COMMON), sweep_dir="outputs/ablations/quick",
         description="Quick suite (`make ablations-quick`): the miniature suite reduced to 6 iterations of 2 prompts "
                     "x 8 samples, evaluation on 96 held-out prompts every 3 iterations, 2 seeds, fewer arms "
@@ -195,8 +195,8 @@ def build_suites() -> dict[str, Suite]:
                   "Flow-GRPO-Fast's fixed window (steps 0-2), MixGRPO's sliding window (moved one step every 10 "
                   "iterations) and DanceGRPO's random subset (3 steps per iteration); ODE elsewhere, only the window "
                   "trained."),
-         Ablation("auto", "mini_step0", {}, [{"train.train_steps": "auto"}],
-                  "train.train_steps=auto",
+         Ablation("auto", "mini_step0", {}, [{"train.train_steps": "null", "train.weighting": "auto"}],
+                  "train.weighting=auto",
                   "Every noisy step measured, weighted by its online gradient signal fraction (no step named).")],
         [0, 1, 2], common=["window.size=3", "window.every=10", "advantage.over=all"], sweep_dir="outputs/ablations/allsteps",
         description="Every-step suite: credit for every step on the default recipe (conf/experiment/mini_step0.yaml), "

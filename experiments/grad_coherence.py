@@ -90,12 +90,14 @@ def measure(overrides: list[str], batches: int, schemes: list[str], weightings: 
             for w in weightings:
                 g = grads[schemes[0]][-1]
                 if w == "guard":
-                    plain = learner.train
-                    learner.train = dataclasses.replace(plain, weighting="guard")
+                    from stepflow.weighting import build_weighting
+
+                    plain = learner.weighting
+                    learner.weighting = build_weighting("guard")
                     try:
                         g = step_gradients(learner, traj, out.advantages, steps)
                     finally:
-                        learner.train = plain
+                        learner.weighting = plain
                 upd, wk = weighted_update(g, w, stds, gains)
                 wgrads[w].append((upd, wk[:, None] * g))
     res = {"overrides": overrides, "batches": batches, "samples_per_batch": traj.batch_size, "steps": steps,

@@ -29,7 +29,7 @@ improvement (``--target-frac 0.5``), so that every ablation gets a target in its
 Writes ``<out>/report.md`` (default ``<sweep dir>/report``), ``<out>/summary.json`` and per ablation
 ``<ablation>_iteration.png`` (held-out and training reward vs iteration), ``<ablation>_nfe.png`` (vs cumulative
 NFEs) and ``<ablation>_wallclock.png`` (vs cumulative training seconds, the paper's Fig. 5); where runs log per-step
-weights (``train/weight_step{k}``: ``train.train_steps=auto``, ``train.weighting=noise|gain_var``),
+weights (``train/weight_step{k}``: ``train.weighting=auto|noise|gain_var``),
 ``<ablation>_step_weights.png`` (each step's share of the weights vs iteration, stacked, mean over seeds).
 """
 
@@ -477,7 +477,7 @@ def step_weight_curves(runs: Sequence[Run]) -> tuple[list[int], list[float], lis
 
 
 def plot_step_weights(name: str, arms: Sequence[Arm], out_dir: Path) -> Path | None:
-    """For the arms whose runs log per-step weights (``train/weight_step{k}``: ``train.train_steps=auto``,
+    """For the arms whose runs log per-step weights (``train/weight_step{k}``: ``train.weighting=auto``,
     ``train.weighting=noise|gain_var``): one panel per arm, each step's share of the weights (mean over seeds, then
     normalised to sum 1 per iteration) vs iteration, stacked, so the steps the weighting chose and when are visible.
     None when no arm logs them."""

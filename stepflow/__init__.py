@@ -5,11 +5,12 @@ and no modules import one another round a loop; imports inside functions count t
 reads this list and checks both). A name stands for that module, or that package and everything in it:
 
 0. errors (the error types; imports nothing from stepflow): errors
-1. core (math, prompts, the stop flag, the embedded shapes world): sde, advantage, loss, forward, window, estimate,
-   coherence, data, stop, shapes
+1. core (math, prompts, the stop flag, the embedded shapes world): sde, solvers, advantage, loss, forward, window,
+   estimate, coherence, weighting, data, stop, shapes
 2. models (the policies, the rewards, and the typed settings, which check the models' own): policies, rewards, config
-3. loop (one GRPO iteration and the held-out evaluation, free of Lightning): rollout, algorithm, dist, heldout
-4. shell (Lightning: the module, strategies, EMA, checkpoints, logs): grpo, sharding, deepspeed_strategy, ema,
+3. loop (one GRPO iteration, its objectives and the held-out evaluation, free of Lightning): rollout, objectives,
+   algorithm, dist, ema, heldout
+4. shell (Lightning: the module, strategies, checkpoints, logs): grpo, sharding, deepspeed_strategy,
    checkpoint, loggers, plots
 5. entry points (the Hydra commands and their plumbing): cli, rundir, train, evaluate, pretrain, serve_reward
 6. workshop (tiny and random builders for tests and estimates; nothing else imports it): testing

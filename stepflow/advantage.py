@@ -16,7 +16,6 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from stepflow.sde import SAMPLERS
 
 __all__ = [
     "gains",
@@ -31,7 +30,7 @@ __all__ = [
     "SCHEMES",
 ]
 
-SCHEMES = ("uniform", "gain", "gain_per_step", "gain_ema", "gae", "distill")
+SCHEMES = ("uniform", "gain", "gain_per_step", "gain_ema", "gae")
 STD_SCOPES = ("group", "global")
 NORMS = (None, "joint", "per_step")
 
@@ -211,19 +210,15 @@ class AdvantageConfig:
     """How rewards become per-step advantages.
 
     scheme:   ``uniform`` (Flow-GRPO Eq. 4) | ``gain`` (Eq. 5, joint) | ``gain_per_step`` (App. C) |
-              ``gain_ema`` (§6.1) | ``gae`` (§6.2) | ``distill`` (§6.3; advantages as for ``gain``, used as weights).
+              ``gain_ema`` (§6.1) | ``gae`` (§6.2). (Gain-weighted distillation is an objective: ``objective=distill``.)
     std_scope: ``group`` | ``global`` (std over the whole batch).
     eps:      added to the std.        adv_clip: advantages are clamped to ±adv_clip.
     ema_alpha: α of :class:`EmaBaseline`.     gamma, lam: GAE's γ, λ (only γλ matters, see :func:`gae`).
     norm:     None (scheme default: joint, except ``gain_per_step``) | ``joint`` | ``per_step``; overrides the
               normalisation of the gain-family schemes; ignored for ``uniform`` (one value per row).
-    rollout_sampler: None (roll out with the configured ``sampler``) | a sampler name this scheme's rollouts
-              need whatever ``sampler`` says (``distill``: ``ode``, conf/advantage/distill.yaml).
-    same_latent: None (``loop.same_latent``) | the value this scheme needs (``distill``: False, its diversity
-              comes from the initial noise).
     over:     ``all`` (the gains of every step enter the normalisation, Eq. 5) | ``trained`` (only the trained
               steps' gains, normalised jointly over them; it applies to ``gain`` and ``gain_per_step``, the schemes
-              that read every step's gain (gae, gain_ema, distill) keep ``all``, see :attr:`effective_over`). With
+              that read every step's gain (gae, gain_ema) keep ``all``, see :attr:`effective_over`). With
               ``trained`` the
               advantages of the trained steps depend only on the states around them, so the loop estimates and
               scores only those and stops the rollout after the last one (:meth:`AdvantageEstimator.states_needed`).
@@ -237,8 +232,6 @@ class AdvantageConfig:
     gamma: float = 1.0
     lam: float = 0.9
     norm: str | None = None
-    rollout_sampler: str | None = None
-    same_latent: bool | None = None
     over: str = "all"
 
     def __post_init__(self) -> None:
@@ -250,8 +243,6 @@ class AdvantageConfig:
             raise ValueError(f"norm: must be one of {NORMS}, got {self.norm!r}")
         if self.over not in ("all", "trained"):
             raise ValueError(f"over: must be all or trained, got {self.over!r}")
-        if self.rollout_sampler not in (None, *SAMPLERS):
-            raise ValueError(f"rollout_sampler: must be null or one of {SAMPLERS}, got {self.rollout_sampler!r}")
         if not (isinstance(self.eps, (int, float)) and self.eps >= 0):
             raise ValueError(f"eps: must be a float >= 0, got {self.eps!r}")
         if not (isinstance(self.adv_clip, (int, float)) and self.adv_clip > 0):
@@ -343,7 +334,7 @@ class AdvantageEstimator:
                 src = self.ema(g)
             elif cfg.scheme == "gae":
                 src = gae(g, cfg.gamma, cfg.lam)
-            else:  # gain, gain_per_step, distill
+            else:  # gain, gain_per_step
                 src = g
             adv = self._normalize(src, group_ids)
         raw = adv

@@ -25,11 +25,13 @@ from stepflow.config import LoopConfig, TrainConfig
 from stepflow.data import IterationPlan, PromptPlanner
 from stepflow.dist import Dist, clip_grad_norm
 from stepflow.errors import NonFiniteRewardsError, NonFiniteUpdate, StopRequested
-from stepflow.loss import distill_loss, policy_loss
+from stepflow.objectives import Grpo, Objective
+from stepflow.objectives.base import trainable_steps
 from stepflow.policies.base import FlowPolicy
 from stepflow.rewards.base import Reward
 from stepflow.rollout import Scores, Trajectory, estimate_states, rollout, score
-from stepflow.sde import SamplerConfig, sde_step, step_std
+from stepflow.sde import SamplerConfig
+from stepflow.weighting import Weighting
 
 __all__ = ["Learner", "Phases", "IterationResult", "iteration", "update", "step_loss", "step_gradients",
            "trainable_steps", "finite_advantages", "iteration_metrics"]
@@ -38,9 +40,9 @@ __all__ = ["Learner", "Phases", "IterationResult", "iteration", "update", "step_
 @dataclass
 class Learner:
     """Everything an iteration reads: the policy and its optimizer, the reward, the sampler, the advantage
-    estimator, the prompt plan, the loop/train settings and the collectives. ``backward`` runs a loss's backward
-    pass (Lightning's ``manual_backward`` under a Trainer); ``on_optimizer_step(n)`` is called after optimizer
-    step n (the EMA)."""
+    estimator, the prompt plan, the loop/train settings, the objective and the step weighting, and the collectives.
+    ``backward`` runs a loss's backward pass (Lightning's ``manual_backward`` under a Trainer);
+    ``on_optimizer_step(n)`` is called after optimizer step n (the EMA)."""
 
     policy: FlowPolicy
     reward: Reward
@@ -56,7 +58,19 @@ class Learner:
     on_optimizer_step: Callable[[int], None] | None = None
     opt_steps: int = 0
     window: Any = None  #: a stepflow.window.WindowConfig, or None (every step follows the sampler)
-    signal: Any = None  #: a stepflow.coherence.StepSignal when train.train_steps=auto
+    objective: Objective | None = None  #: what the update minimises (None: GRPO with ``train``'s settings)
+    weighting: Weighting = field(default_factory=Weighting)  #: how the trained steps' terms are combined
+
+    def __post_init__(self) -> None:
+        if self.objective is None:
+            from stepflow.config import ObjectiveConfig
+
+            self.objective = Grpo(ObjectiveConfig(), self.train)
+
+    @property
+    def signal(self):
+        """The online per-step signal estimate of ``train.weighting=auto`` (else None)."""
+        return self.weighting.signal
 
     def window_steps(self, it: int) -> list[int] | None:
         """The SDE steps of iteration ``it`` (None = all)."""
@@ -65,10 +79,6 @@ class Learner:
         from stepflow.window import window_steps
 
         return window_steps(self.window, it, self.loop.num_steps, self.loop.seed)
-
-    @property
-    def distill(self) -> bool:
-        return self.advantage.cfg.scheme == "distill"
 
 
 class Phases:
@@ -122,18 +132,22 @@ def iteration(learner: Learner, it: int) -> IterationResult:
     steps, ph = learner.loop.num_steps, Phases(learner.policy)
     grid = learner.policy.time_grid(steps)
     sde = learner.window_steps(it)  # the SDE window (None: every step); the others follow the ODE
-    trained = trainable_steps(learner.train, learner.sampler, grid, learner.distill, sde)
+    obj = learner.objective
+    trained = obj.trained_steps(learner.train, learner.sampler, grid, sde)  # steps (forward objectives: times)
     need = states_needed(learner, trained, it)  # the states whose rewards the credit (and the log) read
     learner.policy.eval()
     _stop_point(learner)
     if learner.loop.overlap_reward:  # the same three phases, chunk by chunk, each chunk's reward call in a thread
-        traj, x0_hat, scores = _rollout_and_score_overlapped(learner, mine, need, sde, ph)
+        with obj.behaviour():
+            traj, x0_hat, scores = _rollout_and_score_overlapped(learner, mine, need, sde, ph)
     else:
-        with ph("rollout"):  # X_0 .. X_D and log π_old under the SDE sampler, no grad (D: the last state needed)
-            traj = rollout(learner.policy, mine, learner.sampler, steps, learner.guidance, depth=max(need), sde_steps=sde)
-        _stop_point(learner)
-        with ph("estimate"):  # x̂0 of the needed states by T′ Euler substeps (none for uniform credit)
-            x0_hat = _estimate(learner, traj, need)
+        with obj.behaviour():  # the behaviour policy's weights (DiffusionNFT: the old copy; else the current ones)
+            with ph("rollout"):  # X_0 .. X_D and log π_old under the sampler, no grad (D: the last state needed)
+                traj = rollout(learner.policy, mine, learner.sampler, steps, learner.guidance, depth=max(need),
+                               sde_steps=sde)
+            _stop_point(learner)
+            with ph("estimate"):  # x̂0 of the needed states by T′ Euler substeps (none for uniform credit)
+                x0_hat = _estimate(learner, traj, need)
         _stop_point(learner)
         with ph("reward"), contextlib.suppress(StopRequested):  # the needed R_k in one call (uniform: R_T)
             scores = score(learner.policy, learner.reward, traj, x0_hat, learner.loop.decode_chunk, states=need)
@@ -141,16 +155,18 @@ def iteration(learner: Learner, it: int) -> IterationResult:
     with ph("advantage"):  # gains G_k = R_{k+1} − R_k, normalised per group over every rank's rows
         rewards = learner.dist.gather_rows(scores.rewards)
         adv, dropped = finite_advantages(learner, rewards, plan.group_ids, it, trained)
-    with ph("update"):  # clipped GRPO (+ β·KL) over the trainable steps
+    with ph("update"):  # the objective's terms (GRPO: clipped ratio + β·KL over the trained steps)
         w = step_weights(learner, adv, trained, grid)
-        measure = learner.signal is not None and it % learner.train.auto_every == 0  # auto: also the steps of weight 0
-        upd = update(learner, traj, learner.dist.local_rows(adv.advantages), x0_hat, it, trained, w, mine.group_ids, measure)
+        measure = learner.weighting.measures(it)  # weighting=auto: also the steps of weight 0
+        upd = update(learner, traj, learner.dist.local_rows(adv.advantages), x0_hat, it, trained, w, mine.group_ids,
+                     measure, seeds=mine.step_noise_seeds)
+        obj.end_iteration(learner)  # its weight copies move toward the new weights
     upd["train/nonfinite_rewards"] = float(dropped.sum())
     return IterationResult(plan, scores, rewards, adv, upd, ph, x0_hat is not None, ~dropped)
 
 
 def _estimate(learner: Learner, traj: Trajectory, need: list[int]) -> Tensor | None:
-    if not learner.advantage.needs_stepwise_rewards:
+    if not learner.advantage.needs_stepwise_rewards and not learner.objective.reads_estimates:
         return None
     return estimate_states(learner.policy, traj, learner.loop.substeps, learner.guidance, learner.loop.adaptive_substeps,
                            learner.loop.estimate_chunk, states=need)
@@ -195,26 +211,16 @@ def _stop_point(learner: Learner) -> None:
 
 
 def step_weights(learner: Learner, adv: AdvantageOut, trained: list[int], grid: Tensor) -> Tensor | None:
-    """The loss weight of each trained step (S,), mean 1, for ``train.weighting`` = noise (∝ the step's noise std) or
-    gain_var (∝ the variance of its gains over every rank's rows); None = all 1."""
-    from stepflow.loss import gain_variance_weights, noise_weights
-
-    kind = learner.train.weighting
-    if not trained or kind not in ("noise", "gain_var"):
-        return None
-    if kind == "noise":
-        std = step_std(learner.sampler, grid[:-1], grid[1:], t_guard=grid[1])
-        return noise_weights(std[trained])
-    if adv.gains is None:
-        return None
-    return gain_variance_weights(adv.gains[:, trained])
+    """The loss weight of each trained step (S,), mean 1, from the step weighting (``train.weighting`` = noise: ∝ the
+    step's noise std; gain_var: ∝ the variance of its gains over every rank's rows); None = all 1."""
+    return learner.weighting.weights(learner.sampler, grid, trained, adv.gains)
 
 
 def states_needed(learner: Learner, trained: list[int], it: int) -> list[int]:
     """The states whose rewards iteration ``it`` computes: those the credit reads for the ``trained`` steps, plus the
     final image every ``loop.final_reward_every`` iterations when the credit does not read it (train/reward_final)."""
     steps = learner.loop.num_steps
-    need = learner.advantage.states_needed(trained, steps) or [steps]
+    need = sorted({*learner.advantage.states_needed(trained, steps), *learner.objective.states(trained, steps)}) or [steps]
     every = learner.loop.final_reward_every
     if steps not in need and every and it % every == 0:
         need = sorted({*need, steps})
@@ -243,34 +249,22 @@ def finite_advantages(learner: Learner, rewards: Tensor, group_ids: Tensor, it: 
     return AdvantageOut(full, None, out.stats), dropped
 
 
-def trainable_steps(train: TrainConfig, sampler: SamplerConfig, times: Tensor, distill: bool = False,
-                    window: list[int] | None = None) -> list[int]:
-    """Steps to train on the grid ``times`` (T+1,): ``train_steps`` (``auto``: all candidates) or the first
-    int(T·timestep_fraction) steps, within the SDE ``window`` (None: all), minus steps whose noise std is 0 under
-    ``sampler`` (no density; distillation needs none and keeps them)."""
-    t_steps = times.shape[0] - 1
-    explicit = train.train_steps is not None and train.train_steps != "auto"
-    cand = list(train.train_steps) if explicit else list(range(int(t_steps * train.timestep_fraction + 1e-9)))
-    cand = [k for k in cand if 0 <= k < t_steps and (window is None or k in window)]
-    if distill:
-        return cand
-    std = step_std(sampler, times[:-1], times[1:], t_guard=times[1])
-    return [k for k in cand if float(std[k]) > 0]
-
-
 def update(learner: Learner, traj: Trajectory, adv: Tensor, x0_hat: Tensor | None, it: int,
            steps: list[int] | None = None, weights: Tensor | None = None, groups: Tensor | None = None,
-           measure: bool = False) -> dict[str, float]:
-    """Policy update over the trainable ``steps`` (default :func:`trainable_steps`): ``updates_per_iter`` optimizer
-    steps over shuffled rows, each accumulating (trainable steps × micro-batches), step k's loss weighted by
-    ``weights[k]`` (S,) (mean 1; default 1). ``train.weighting=grad_rms`` and ``train.train_steps=auto`` combine the
-    steps' gradients instead (:func:`_per_step_update`); ``measure``: add this update's gradients to the auto-step
-    signal estimate (``groups``: (B_local,) group ids, to split the batch into independent halves).
-    adv: (B_local, T). Returns diagnostics (means over terms)."""
-    o, pol, dist = learner.train, learner.policy, learner.dist
+           measure: bool = False, seeds: Tensor | None = None) -> dict[str, float]:
+    """Policy update over the objective's terms (the GRPO family: the trained ``steps``, default the objective's
+    :meth:`~stepflow.objectives.base.Objective.trained_steps`; the forward-process objectives: K training times per
+    row drawn among them): ``updates_per_iter`` optimizer steps over shuffled rows, each accumulating (terms ×
+    micro-batches), term j's loss weighted by ``weights[j]`` (S,) (mean 1; default 1). ``train.weighting`` =
+    grad_rms / auto combine the steps' gradients instead (:func:`_per_step_update`); ``measure``: add this update's
+    gradients to the auto-step signal estimate (``groups``: (B_local,) group ids, to split the batch into independent
+    halves). adv: (B_local, T); ``seeds``: (B_local,) the rows' noise seeds (what the forward-process objectives draw
+    their times and noise from; default the row indices). Returns diagnostics (means over terms)."""
+    o, pol, dist, obj = learner.train, learner.policy, learner.dist, learner.objective
     if steps is None:
-        steps = trainable_steps(o, learner.sampler, traj.times, learner.distill, learner.window_steps(it))
-    keep = adv.abs().sum(1) > 0 if (o.drop_zero_adv and not learner.distill) else torch.ones(traj.batch_size, dtype=torch.bool)
+        steps = obj.trained_steps(o, learner.sampler, traj.times, learner.window_steps(it))
+    keep = (adv.abs().sum(1) > 0 if (o.drop_zero_adv and obj.drops_zero_advantage)
+            else torch.ones(traj.batch_size, dtype=torch.bool))
     rows = torch.nonzero(keep).flatten()
     rows = rows[torch.randperm(len(rows), generator=torch.Generator().manual_seed(learner.loop.seed * 7919 + it))]
     if dist.world > 1:  # the same number of optimizer steps on every rank (a rank may hold no rows of a chunk)
@@ -279,6 +273,9 @@ def update(learner: Learner, traj: Trajectory, adv: Tensor, x0_hat: Tensor | Non
         chunks = [c for c in rows.chunk(o.updates_per_iter) if len(c)] if len(rows) else []
     if not steps:  # e.g. the ODE sampler: no step has a density, nothing to train
         chunks = []
+    else:
+        obj.begin_update(learner, traj, it, torch.arange(traj.batch_size) if seeds is None else seeds, steps)
+    todo = obj.terms(steps)
     times = traj.times.to(pol.device)
     params = list(pol.trainable_parameters())
     stats = _Stats()  # row-weighted sums, detached 0-d tensors: no host sync until the end of the update
@@ -307,13 +304,13 @@ def update(learner: Learner, traj: Trajectory, adv: Tensor, x0_hat: Tensor | Non
                 if real:
                     stats.add_terms(out, len(mb), k)
 
-        if o.weighting == "grad_rms" or learner.signal is not None:
-            _per_step_update(learner, steps, chunk, n_global, mbs, groups, terms, params, stats.plain, measure)
+        if learner.weighting.per_step:
+            _per_step_update(learner, todo, chunk, n_global, mbs, groups, terms, params, stats.plain, measure)
         else:
             with dist.accumulating():
-                for j, k in enumerate(steps):
-                    terms(k, mbs, (1.0 if weights is None else float(weights[j])) / len(steps),
-                          last=j == len(steps) - 1)
+                for j, k in enumerate(todo):
+                    terms(k, mbs, (1.0 if weights is None else float(weights[j])) / len(todo),
+                          last=j == len(todo) - 1)
         dist.all_reduce_grads(params)
         norm = clip_and_step(learner, params, o.max_grad_norm)
         if norm is not None:
@@ -323,7 +320,7 @@ def update(learner: Learner, traj: Trajectory, adv: Tensor, x0_hat: Tensor | Non
             learner.on_optimizer_step(learner.opt_steps - 1)
     pol.eval()
     res = stats.reduce(dist)
-    res["train/samples_trained"], res["train/steps_trained"] = dist.all_sum(len(rows)), float(len(steps))
+    res["train/samples_trained"], res["train/steps_trained"] = dist.all_sum(len(rows)), float(len(todo) if steps else 0)
     if weights is not None:
         res.update({f"train/weight_step{k}": float(w) for k, w in zip(steps, weights)})
     if learner.signal is not None:
@@ -415,7 +412,7 @@ def _per_step_update(learner: Learner, steps: list[int], chunk: Tensor, n_global
                      groups: Tensor | None, terms, params: list, stats: dict, measure: bool) -> None:
     """Each trained step's gradient separately, summed from its parts (whole prompt groups; one group: two halves),
     then combined into the parameters' .grad: ``train.weighting=grad_rms``: ``Σ_k (rms/|g_k|)·g_k / S``;
-    ``train.train_steps=auto``: ``Σ_k w_k·(rms/|g_k|)·g_k`` with the signal weights w (sum 1) of
+    ``train.weighting=auto``: ``Σ_k w_k·(rms/|g_k|)·g_k`` with the signal weights w (sum 1) of
     :class:`stepflow.coherence.StepSignal`, to which every step computed adds a measurement from its parts' mean
     gradients (sums over ranks). Steps of weight 0 are computed only when ``measure``. Under DDP the per-step
     gradients are summed over ranks first, so the norms and the combination are those of the global gradients.
@@ -475,41 +472,9 @@ def _per_step_update(learner: Learner, steps: list[int], chunk: Tensor, n_global
 
 def step_loss(learner: Learner, traj: Trajectory, adv: Tensor, k: int, rows: Tensor, times: Tensor,
               x0_hat: Tensor | None = None) -> dict[str, Tensor]:
-    """The loss of step k on ``rows`` (a mean over them) and its detached diagnostics (docs/method.md §5, §6.3).
-
-    GRPO: ``mean_i max(−A ρ, −A clip(ρ, 1 ± ϵ)) + β·KL(π_θ ‖ π_ref)`` with ρ from the log-prob of the rollout's
-    X_{k+1}; distillation: the gain-weighted distance of the student's Tweedie x̂0 to the estimate two steps later.
-    """
-    o, pol, dev = learner.train, learner.policy, learner.policy.device
-    x_k = traj.latents[rows, k].to(dev)
-    cond = traj.cond.index(rows).to(dev)
-    t, t_next = times[k], times[k + 1]
-    ref_mean = None
-    if o.beta_kl > 0 and not learner.distill:  # before the policy's forward: FSDP2 must not run a module forward between
-        # a forward with autograd and its backward (the no-grad forward reshards what the backward needs)
-        with torch.no_grad(), pol.reference():  # π_ref: the LoRA disabled, or the frozen initial transformer
-            v_ref = pol.velocity(x_k, t, cond, learner.guidance)
-            ref_mean = sde_step(learner.sampler, x_k, v_ref, t, t_next, t_guard=times[1],
-                                prev_sample=traj.latents[rows, k + 1].to(dev)).mean
-    v = pol.velocity(x_k, t, cond, learner.guidance)
-    a = adv[rows, k].to(dev)
-    if learner.distill:  # student Tweedie at (x_t, t) vs sg[x̂0 two steps later] (X_T beyond the end)
-        target = x0_hat[rows, min(k + 2, traj.num_steps)].to(dev)
-        loss = distill_loss(x_k - t * v, target, a, weight=o.distill_weight, temperature=o.distill_temperature)
-        return {"loss": loss, "distill_loss": loss.detach()}
-    x_next = traj.latents[rows, k + 1].to(dev)
-    out = sde_step(learner.sampler, x_k, v, t, t_next, t_guard=times[1], prev_sample=x_next)
-    lp, lp_old = out.log_prob, traj.log_probs[rows, k].to(dev)
-    if o.weighting == "guard":  # GRPO-Guard: the noise-normalised log-ratio in place of log π_θ − log π_old
-        from stepflow.loss import guard_log_ratio
-
-        old = sde_step(learner.sampler, x_k, traj.velocities[rows, k].to(dev), t, t_next, t_guard=times[1], prev_sample=x_next)
-        lp, lp_old = guard_log_ratio(x_next, out.mean, old.mean, out.std), torch.zeros_like(lp_old)
-    lo = policy_loss(lp, lp_old, a, clip_eps=o.clip_eps, mean=out.mean, ref_mean=ref_mean, std=out.std,
-                     kl_scale=out.kl_scale, beta=o.beta_kl, kl_mode=o.kl_mode)
-    return {"loss": lo.loss, "policy_loss": lo.policy_loss, "kl": lo.kl, "clip_frac": lo.clip_frac,
-            "ratio_mean": lo.ratio_mean, "ratio_min": lo.ratio_min, "ratio_max": lo.ratio_max,
-            "adv_abs": a.abs().mean().detach()}
+    """The loss of term k (the GRPO family: step k) on ``rows`` (a mean over them, key ``loss``) and its detached
+    diagnostics: the objective's (:meth:`stepflow.objectives.base.Objective.loss`; docs/method.md §5, §6.3, §11)."""
+    return learner.objective.loss(learner, traj, adv, k, rows, times, x0_hat)
 
 
 def step_gradients(learner: Learner, traj: Trajectory, adv: Tensor, steps: Sequence[int]) -> Tensor:

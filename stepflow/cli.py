@@ -118,7 +118,7 @@ def check_group_overrides(argv: list[str], conf_dir: Path = CONF_DIR) -> None:
         key = key.lstrip("+~")
         if key.startswith("hydra") or key not in groups or val in ("", "null"):
             continue
-        options = sorted(p.stem for p in (conf_dir / key).glob("*.yaml"))
+        options = sorted(str(p.relative_to(conf_dir / key).with_suffix("")) for p in (conf_dir / key).rglob("*.yaml"))
         for v in val.split(","):  # multirun sweeps: a,b,c
             v = v.strip()
             if v and v not in options:

@@ -85,7 +85,7 @@ def chi2_quantile(p: float, df: int) -> float:
 
 class StepSignal:
     """Online per-step signal fraction of the policy gradient, from the gradients the update already computes
-    (``train.train_steps=auto``), and the step weights it implies.
+    (``train.weighting=auto``), and the step weights it implies.
 
     A measurement of step k is its mean gradient over each of G >= 2 independent parts of the batch (whole prompt
     groups; ``m_1 .. m_G``): ``r = mean_{i≠j} m_i·m_j / mean_i |m_i|²``, an estimate of the signal fraction ρ_k of
@@ -177,7 +177,7 @@ class StepSignal:
 
     def load_state_dict(self, sd: dict) -> None:
         if "mean" not in sd:
-            raise ValueError("train.train_steps=auto: the checkpoint's step-signal estimate is from an older stepflow "
+            raise ValueError("train.weighting=auto: the checkpoint's step-signal estimate is from an older stepflow "
                              "(before per-measurement ratios); resume it with the stepflow that wrote it, or start afresh")
         self.steps = list(sd["steps"])
         self.count, self.mean, self.m2 = (sd[k].clone().double() for k in ("count", "mean", "m2"))

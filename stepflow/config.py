@@ -36,7 +36,7 @@ from stepflow.errors import StepflowError
 from stepflow.sde import SamplerConfig
 from stepflow.window import WindowConfig
 
-__all__ = ["LoopConfig", "TrainConfig", "EvalConfig", "EmaConfig", "LoraConfig", "DataConfig", "RunConfig",
+__all__ = ["LoopConfig", "TrainConfig", "ObjectiveConfig", "OBJECTIVES", "EvalConfig", "EmaConfig", "LoraConfig", "DataConfig", "RunConfig",
            "PretrainArchConfig", "PretrainDataConfig", "PretrainObjectiveConfig", "PretrainOptimConfig",
            "PretrainEmaConfig", "PretrainTrainerConfig", "PretrainEvalConfig", "PretrainSelectConfig", "PretrainConfig",
            "EvaluateSamplerConfig", "EvaluateGridConfig", "EvaluateConfig", "Limits", "ServeRewardConfig",
@@ -118,24 +118,22 @@ class TrainConfig:
     beta_kl: float = 0.0  #: β, weight of the KL to the reference policy (LoRA disabled)
     kl_mode: str = "exact"  #: exact | flow_grpo_parity (docs/method.md §2)
     max_grad_norm: float = 1.0  #: gradient clipping (0 = off)
-    #: step indices to train (list); None = every step with noise std > 0; ``auto`` = every noisy step, weighted by
-    #: an online estimate of its gradient's signal fraction (stepflow.coherence.StepSignal)
-    train_steps: Any = None
+    #: step indices to train (a list); None = every step with noise std > 0 (for the GRPO objectives; the forward-process
+    #: objectives draw their training times among these steps' grid times)
+    train_steps: Any = None  # typed loosely so a wrong value gets __post_init__'s message, not OmegaConf's
     timestep_fraction: float = 1.0  #: train only the first int(T·fraction) steps (Flow-GRPO: 0.99 → 9 of 10)
     micro_batch_size: int = 32  #: samples per forward/backward
     updates_per_iter: int = 1  #: optimizer steps per rollout batch (1 = on-policy; Flow-GRPO uses 2)
     on_policy: bool = False  #: force one optimizer step per rollout (ratio = 1: the KL-regularised policy gradient)
     drop_zero_adv: bool = True  #: skip samples whose advantages are 0 at every step
-    distill_weight: str = "relu"  #: advantage=distill only: relu | signed | exp
-    distill_temperature: float = 1.0  #: advantage=distill, distill_weight=exp only
-    #: per-step weighting of the loss: none | noise (TempFlow-GRPO, ∝ the step's noise std) | guard (GRPO-Guard's
-    #: noise-normalised ratio) | grad_rms (each step's gradient scaled to the RMS of their norms) | gain_var (∝ the
-    #: step's gain variance); stepflow.loss
+    #: how the trained steps' terms are combined (stepflow.weighting): none | noise (TempFlow-GRPO, ∝ the step's noise
+    #: std) | guard (GRPO-Guard's noise-normalised ratio) | grad_rms (each step's gradient scaled to the RMS of their
+    #: norms) | gain_var (∝ the step's gain variance) | auto (∝ each step's measured gradient signal)
     weighting: str = "none"
-    #: train_steps=auto: every step whose gradient is computed is measured; steps of weight 0 are computed (and
+    #: weighting=auto: every step whose gradient is computed is measured; steps of weight 0 are computed (and
     #: measured again) every N iterations
     auto_every: int = 2
-    auto_warmup: int = 3  #: train_steps=auto: measurements of every step before the weights leave uniform
+    auto_warmup: int = 3  #: weighting=auto: measurements of every step before the weights leave uniform
 
     def __post_init__(self) -> None:
         _need(self.kl_mode in KL_MODES, f"kl_mode: must be one of {', '.join(KL_MODES)}, got {self.kl_mode!r}")
@@ -148,16 +146,16 @@ class TrainConfig:
         _need(0 < self.timestep_fraction <= 1, f"timestep_fraction: must be in (0, 1], got {self.timestep_fraction}")
         _need(self.micro_batch_size >= 1, f"micro_batch_size: must be >= 1, got {self.micro_batch_size}")
         _need(self.updates_per_iter >= 1, f"updates_per_iter: must be >= 1, got {self.updates_per_iter}")
-        _need(self.distill_weight in ("relu", "signed", "exp"), f"distill_weight: must be relu, signed or exp, got {self.distill_weight!r}")
-        _need(self.distill_temperature > 0, f"distill_temperature: must be > 0, got {self.distill_temperature}")
         from stepflow.loss import WEIGHTINGS
 
         _need(self.weighting in WEIGHTINGS, f"weighting: must be one of {', '.join(WEIGHTINGS)}, got {self.weighting!r}")
         _need(_is_int(self.auto_every) and self.auto_every >= 1, f"auto_every: must be an integer >= 1, got {self.auto_every!r}")
         _need(_is_int(self.auto_warmup) and self.auto_warmup >= 0, f"auto_warmup: must be an integer >= 0, got {self.auto_warmup!r}")
-        if self.train_steps is not None and self.train_steps != "auto":
+        _need(self.train_steps != "auto", "train_steps: auto is now train.weighting=auto (every noisy step, weighted "
+              "by its measured gradient signal); set train.train_steps=null train.weighting=auto")
+        if self.train_steps is not None:
             steps = list(self.train_steps) if isinstance(self.train_steps, (list, tuple)) else None
-            _need(steps is not None, f"train_steps: must be a list of step indices, null or auto, got {self.train_steps!r}")
+            _need(steps is not None, f"train_steps: must be a list of step indices or null, got {self.train_steps!r}")
             bad = [k for k in steps if not _is_int(k)]
             _need(not bad, f"train_steps: step {bad[0]!r} is not an integer index" if bad else "")
             _need(bool(steps), "train_steps: empty list trains nothing; use null for every stochastic step")
@@ -231,6 +229,80 @@ class DataConfig:
     balance_by: str | None = None  #: draw prompts balanced over this record key (e.g. category)
 
 
+OBJECTIVES = ("grpo", "distill", "nft", "awm", "advantageflow")
+NFT_ADV_MODES = ("all", "positive_only", "negative_only", "one_only", "binary")
+AWM_LOG_PROBS = ("ghuber", "uniform", "t", "t2", "huber")
+
+
+@dataclass
+class ObjectiveConfig:
+    """What the update minimises (``objective=<name>``, ``stepflow.objectives``; docs/method.md §11). One schema for
+    every objective; each reads its own fields (the others are ignored):
+
+    ============== ========================================================================================
+    grpo           the clipped likelihood ratio of the rollout's SDE steps + ``train.beta_kl``·KL (Flow-GRPO)
+    distill        gain-weighted ODE progressive distillation: ``weight``, ``temperature`` (paper App. A)
+    nft            DiffusionNFT: ``beta``, ``adv_mode``, ``adv_clip_max``, ``decay_type``, KL weight ``train.beta_kl``
+    awm            Advantage Weighted Matching: ``num_times``, ``times_frac``, ``log_prob``, ``p``, ``clip_range``,
+                   ``adv_clip_max``, ``advantage_max``, ``ema_beta``, ``kl_ema_decay``, ``ema_rate``; ``train.beta_kl``
+    advantageflow  AdvantageFlow: ``gamma``, ``lam``, ``decay_type``
+    ============== ========================================================================================
+
+    ``rollout_sampler`` / ``same_latent``: what the objective's rollouts need whatever ``sampler`` /
+    ``loop.same_latent`` say (None: those). The forward-process objectives (nft, awm, advantageflow) train at
+    ``int(T·train.timestep_fraction)`` (nft, advantageflow) or ``num_times`` (awm) grid times per sample.
+    """
+
+    name: str = "grpo"
+    rollout_sampler: str | None = None
+    same_latent: bool | None = None
+    weight: str = "relu"  #: distill: relu | signed | exp
+    temperature: float = 1.0  #: distill, weight=exp only
+    beta: float = 1.0  #: nft: the implicit policies' step β (v⁺ = β·v_θ + (1 − β)·v_old); released default 1.0
+    adv_mode: str = "all"  #: nft: all | positive_only | negative_only | one_only | binary
+    adv_clip_max: float = 5.0  #: nft, awm: advantages clipped to ±adv_clip_max
+    decay_type: int = 1  #: nft, advantageflow: the old copy's decay schedule 0 (on-policy) | 1 | 2
+    num_times: int = 6  #: awm: stratified training times per sample
+    times_frac: float = 0.9  #: awm: training times among grid indices [1, int(T·times_frac))
+    log_prob: str = "ghuber"  #: awm: ghuber | uniform | t | t2 | huber (the loss reshaping)
+    p: float = 0.25  #: awm, log_prob=ghuber: the power
+    clip_range: float = 1.0  #: awm: ratio clip range
+    advantage_max: float = 1.0  #: awm: advantages rescaled to [−advantage_max, advantage_max]
+    ema_beta: float = 1.0  #: awm: weight of ‖v_θ − v_ema‖² (the fast EMA copy)
+    kl_ema_decay: float = 0.3  #: awm: the EMA copy's decay cap, d = min(kl_ema_decay, ema_rate·step)
+    ema_rate: float = 0.001  #: awm: the EMA copy's decay slope per optimizer step
+    gamma: float = 1.5  #: advantageflow: weight of ‖f_θ − f_old‖² (proximity to the rollout policy; inferred, > 1 − lam)
+    lam: float = 0.0  #: advantageflow: weight of ‖f_θ − f_ref‖² (proximity to the reference)
+
+    def __post_init__(self) -> None:
+        from stepflow.sde import SAMPLERS
+
+        _need(self.name in OBJECTIVES, f"name: must be one of {', '.join(OBJECTIVES)}, got {self.name!r}")
+        _need(self.rollout_sampler in (None, *SAMPLERS),
+              f"rollout_sampler: must be null or one of {', '.join(SAMPLERS)}, got {self.rollout_sampler!r}")
+        _need(self.weight in ("relu", "signed", "exp"), f"weight: must be relu, signed or exp, got {self.weight!r}")
+        _need(self.temperature > 0, f"temperature: must be > 0, got {self.temperature}")
+        _need(self.beta > 0, f"beta: must be > 0, got {self.beta}")
+        _need(self.adv_mode in NFT_ADV_MODES, f"adv_mode: must be one of {', '.join(NFT_ADV_MODES)}, got {self.adv_mode!r}")
+        _need(self.adv_clip_max > 0, f"adv_clip_max: must be > 0, got {self.adv_clip_max}")
+        _need(self.decay_type in (0, 1, 2), f"decay_type: must be 0, 1 or 2, got {self.decay_type!r}")
+        _need(_is_int(self.num_times) and self.num_times >= 1, f"num_times: must be an integer >= 1, got {self.num_times!r}")
+        _need(0 < self.times_frac <= 1, f"times_frac: must be in (0, 1], got {self.times_frac}")
+        _need(self.log_prob in AWM_LOG_PROBS, f"log_prob: must be one of {', '.join(AWM_LOG_PROBS)}, got {self.log_prob!r}")
+        _need(self.p > 0, f"p: must be > 0, got {self.p}")
+        _need(self.clip_range > 0, f"clip_range: must be > 0, got {self.clip_range}")
+        _need(self.advantage_max > 0, f"advantage_max: must be > 0, got {self.advantage_max}")
+        _need(self.ema_beta >= 0, f"ema_beta: must be >= 0, got {self.ema_beta}")
+        _need(0 <= self.kl_ema_decay < 1, f"kl_ema_decay: must be in [0, 1), got {self.kl_ema_decay}")
+        _need(self.ema_rate >= 0, f"ema_rate: must be >= 0, got {self.ema_rate}")
+        _need(self.gamma >= 0 and self.lam >= 0, f"gamma / lam: must be >= 0, got {self.gamma} / {self.lam}")
+
+    @property
+    def forward_process(self) -> bool:
+        """Trains on the forward process (re-noised final samples; no log-probs, no SDE needed)."""
+        return self.name in ("nft", "awm", "advantageflow")
+
+
 @dataclass
 class RunConfig:
     """The whole ``python -m stepflow.train`` configuration. ``model``, ``reward``, ``trainer``, ``logger`` and
@@ -249,6 +321,7 @@ class RunConfig:
     data: DataConfig = MISSING
     sampler: SamplerConfig = MISSING
     advantage: AdvantageConfig = MISSING
+    objective: ObjectiveConfig = MISSING
     window: WindowConfig = MISSING
     model: Any = None
     reward: Any = None

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-__all__ = ["Dist", "strategy_kind", "clip_grad_norm"]
+__all__ = ["Dist", "strategy_kind", "clip_grad_norm", "full_tensor", "local_shard_of"]
 
 
 @dataclass
@@ -233,3 +233,17 @@ def clip_grad_norm(params: Iterable[torch.nn.Parameter], max_norm: float) -> Ten
         for g in local:
             g.mul_((1.0 / clip).to(g.device, g.dtype))
     return total.detach().cpu()
+
+
+def full_tensor(t: Tensor) -> Tensor:
+    """The whole tensor of a DTensor shard (a collective: every rank calls it), or ``t`` itself."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def local_shard_of(full: Tensor, like: Tensor) -> Tensor:
+    """This rank's shard of ``full`` laid out as the DTensor ``like`` (no communication), or ``full`` itself."""
+    if not hasattr(like, "device_mesh"):
+        return full
+    from torch.distributed.tensor import distribute_tensor
+
+    return distribute_tensor(full.to(like.device, like.dtype), like.device_mesh, like.placements, src_data_rank=None)

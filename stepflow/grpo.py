@@ -17,7 +17,7 @@ import torch
 
 from stepflow.advantage import AdvantageConfig, AdvantageEstimator
 from stepflow.algorithm import Learner, iteration, iteration_metrics
-from stepflow.config import EmaConfig, EvalConfig, LoopConfig, TrainConfig
+from stepflow.config import EmaConfig, EvalConfig, LoopConfig, ObjectiveConfig, TrainConfig
 from stepflow.data import PromptPlanner
 from stepflow.dist import Dist
 from stepflow.ema import ParamEMA
@@ -35,7 +35,8 @@ class GRPOModule(L.LightningModule):
     Args:
         policy: a FlowPolicy with a LoRA adapter added, or fully fine-tuned (``policy.trainable_parameters()``).
         reward: the training reward (also scores the evaluation).
-        sampler / advantage: the rollout SDE and the credit scheme.
+        sampler / advantage: the rollout sampler and the credit scheme.
+        objective: what the update minimises (None: GRPO).
         plan: the group sampler over the training prompts.
         eval_records: held-out prompt records.
         loop / train / eval_cfg / ema: the configs of ``stepflow.config``.
@@ -44,7 +45,8 @@ class GRPOModule(L.LightningModule):
 
     def __init__(self, policy: FlowPolicy, reward: Reward, sampler: SamplerConfig, advantage: AdvantageConfig,
                  plan: PromptPlanner, eval_records: list[dict], loop: LoopConfig, train: TrainConfig,
-                 eval_cfg: EvalConfig, ema: EmaConfig, run_dir: str | Path = ".", window=None):
+                 eval_cfg: EvalConfig, ema: EmaConfig, run_dir: str | Path = ".", window=None,
+                 objective: ObjectiveConfig | None = None):
         super().__init__()
         self.automatic_optimization = False
         self.strict_loading = False  # checkpoints hold only the trained weights
@@ -63,23 +65,24 @@ class GRPOModule(L.LightningModule):
         from stepflow.sharding import same_graph_as_fsdp
 
         same_graph_as_fsdp(policy.transformer)  # the same backward sums under every strategy (full fine-tuning)
-        if train.beta_kl > 0:
+        from stepflow.objectives import build_objective
+        from stepflow.weighting import build_weighting
+
+        self.objective = build_objective(objective or ObjectiveConfig(), train)
+        if self.objective.uses_reference:
             policy.prepare_reference()  # full fine-tuning: copy π_ref before any weight (or EMA swap) changes it
         if loop.compile:
             policy.transformer.compile(backend=loop.compile)  # in place: parameter names (LoRA, checkpoints) stay
         self.ema = ParamEMA(policy.trainable_parameters(), ema.decay, ema.update_every) if ema.enabled else None
+        self.objective.attach(list(policy.trainable_parameters()))
         guidance = loop.guidance if loop.guidance is not None else getattr(policy, "guidance", 1.0)
-        signal = None
-        if train.train_steps == "auto":  # every candidate step, weighted by its measured gradient signal
-            from stepflow.algorithm import trainable_steps
-            from stepflow.coherence import StepSignal
-
-            steps = trainable_steps(train, sampler, policy.time_grid(loop.num_steps), advantage.scheme == "distill")
-            signal = StepSignal(steps, train.auto_warmup)
+        # weighting=auto measures every step the objective may train
+        candidates = self.objective.trained_steps(train, sampler, policy.time_grid(loop.num_steps), None)
+        weighting = build_weighting(train.weighting, candidates, train.auto_warmup, train.auto_every)
         self.learner = Learner(policy, reward, sampler, AdvantageEstimator(advantage), plan, loop, train, None,
                                guidance=float(guidance), backward=self._backward,
                                on_optimizer_step=self.ema.step if self.ema is not None else None, window=window,
-                               signal=signal)
+                               objective=self.objective, weighting=weighting)
 
     # ------------------------------------------------------------------ optimizer and checkpoint state
     def configure_optimizers(self):
@@ -105,6 +108,7 @@ class GRPOModule(L.LightningModule):
         if self.ema is not None:  # fully_shard replaced the parameters: track the new (sharded) ones
             self.ema = ParamEMA(self.policy.trainable_parameters(), self.ema.decay, self.ema.update_every)
             self.learner.on_optimizer_step = self.ema.step
+        self.objective.attach(list(self.policy.trainable_parameters()))  # its copies too
 
     def _backward(self, loss: torch.Tensor) -> None:
         if self._trainer is not None:
@@ -122,7 +126,7 @@ class GRPOModule(L.LightningModule):
             "reward_images_total": self.reward_images_total, "credit": self.learner.advantage.state_dict(),
             "ema": None if self.ema is None else self.ema.state_dict(), "history": self.history,
             "torch_rng": torch.get_rng_state(),
-            "signal": None if self.learner.signal is None else self.learner.signal.state_dict(),
+            "signal": self.learner.weighting.state_dict(), "objective": self.objective.state_dict(),
         }
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
@@ -140,8 +144,9 @@ class GRPOModule(L.LightningModule):
         if self.ema is not None and s["ema"] is not None:
             self.ema.load_state_dict(s["ema"])
         self.history = list(s["history"])
-        if self.learner.signal is not None and s.get("signal") is not None:
-            self.learner.signal.load_state_dict(s["signal"])
+        self.learner.weighting.load_state_dict(s.get("signal"))
+        if s.get("objective"):
+            self.objective.load_state_dict(s["objective"])
         for lg in self.loggers:
             if hasattr(lg, "restore"):
                 lg.restore(self.history)

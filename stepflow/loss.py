@@ -146,7 +146,7 @@ def distill_loss(x0_student: Tensor, x0_target: Tensor, adv: Tensor, weight: str
 # ----------------------------------------------------------------------------------------------------------------
 # per-step weighting of the loss (docs/method.md §9; train.weighting)
 # ----------------------------------------------------------------------------------------------------------------
-WEIGHTINGS = ("none", "noise", "guard", "grad_rms", "gain_var")
+WEIGHTINGS = ("none", "noise", "guard", "grad_rms", "gain_var", "auto")
 
 
 def noise_weights(stds: Tensor) -> Tensor:

@@ -20,6 +20,8 @@ import torch
 from lightning.pytorch.strategies import ModelParallelStrategy
 from torch import Tensor, nn
 
+from stepflow.dist import full_tensor, local_shard_of  # noqa: F401  (re-exported: the tensors of shards)
+
 __all__ = ["FSDP2Strategy", "shard_transformer", "blocks_of", "full_trained_state", "is_sharded", "same_graph_as_fsdp"]
 
 def _dtype(name: str | None, field: str) -> torch.dtype | None:
@@ -124,20 +126,6 @@ def is_sharded(module: nn.Module) -> bool:
     from torch.distributed.tensor import DTensor
 
     return any(isinstance(p, DTensor) for p in module.parameters())
-
-
-def full_tensor(t: Tensor) -> Tensor:
-    """The whole tensor of a DTensor shard (a collective: every rank calls it), or ``t`` itself."""
-    return t.full_tensor() if hasattr(t, "full_tensor") else t
-
-
-def local_shard_of(full: Tensor, like: Tensor) -> Tensor:
-    """This rank's shard of ``full`` laid out as the DTensor ``like`` (no communication), or ``full`` itself."""
-    if not hasattr(like, "device_mesh"):
-        return full
-    from torch.distributed.tensor import distribute_tensor
-
-    return distribute_tensor(full.to(like.device, like.dtype), like.device_mesh, like.placements, src_data_rank=None)
 
 
 def full_trained_state(policy, full: bool) -> dict[str, Tensor] | None:

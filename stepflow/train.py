@@ -43,7 +43,7 @@ def build_reward(cfg: DictConfig):
     return _build(_container(cfg.reward))
 
 
-def check_train_steps(train: TrainConfig, sampler, num_steps: int) -> None:
+def check_train_steps(train: TrainConfig, sampler, num_steps: int, density: bool = True) -> None:
     """One-line errors for ``train.train_steps`` that would train nothing: an index outside ``0..T−1``, or (for a
     stochastic sampler) only steps whose noise std is 0 on the grid, e.g. step 0 under the paper's DDIM schedule.
 
@@ -53,14 +53,14 @@ def check_train_steps(train: TrainConfig, sampler, num_steps: int) -> None:
     from stepflow.sde import step_std, time_grid
 
     steps = train.train_steps
-    if steps is None or steps == "auto":
+    if steps is None:
         return
     bad = [k for k in steps if not 0 <= k < num_steps]
     if bad:
         raise StepflowError(f"train.train_steps: step {bad[0]!r} is outside 0..{num_steps - 1} (loop.num_steps="
                             f"{num_steps}); use step indices or train.train_steps=null for every stochastic step")
-    if sampler.name == "ode":
-        return  # the ODE has no density at all (distill trains its own way); nothing to check
+    if sampler.name in ("ode", "dpm2") or not density:
+        return  # no density at all, or an objective that needs none (distill, the forward process): nothing to check
     grid = time_grid(num_steps, shift=1.0)
     live = [k for k in steps if float(step_std(sampler, grid[k], grid[k + 1], t_guard=grid[1])) > 0]
     if not live:
@@ -79,7 +79,7 @@ def window_union(window, num_steps: int) -> list[int] | None:
     return list(range(window.start, num_steps))
 
 
-def check_trains_something(train: TrainConfig, sampler, window, num_steps: int, distill: bool) -> None:
+def check_trains_something(train: TrainConfig, sampler, window, num_steps: int, density: bool = True) -> None:
     """One-line errors for combinations of ``window`` × ``train.train_steps`` × ``train.timestep_fraction`` ×
     ``sampler`` × ``loop.num_steps`` under which no step is ever trained (``train/steps_trained=0`` for the whole
     run): a window that does not fit the grid, a window that misses every listed step, a window holding only
@@ -87,8 +87,9 @@ def check_trains_something(train: TrainConfig, sampler, window, num_steps: int, 
     sampler, which has no density, trains nothing by design (a rollout-only run): a warning says so.
 
     Which steps are noise-free does not depend on the grid's shift (σ = 0 only at the grid's ends), so a shift-1
-    grid stands in for the model's."""
-    from stepflow.algorithm import trainable_steps
+    grid stands in for the model's. ``density``: the objective trains the steps' densities (the GRPO objective;
+    distillation and the forward-process objectives train any step)."""
+    from stepflow.objectives.base import trainable_steps
     from stepflow.sde import step_std, time_grid
     from stepflow.window import window_steps
 
@@ -97,21 +98,22 @@ def check_trains_something(train: TrainConfig, sampler, window, num_steps: int, 
             window_steps(window, 0, num_steps, 0)
         except ValueError as e:
             raise StepflowError(str(e)) from None
-    if sampler.name == "ode" and not distill:
+    if sampler.name in ("ode", "dpm2") and density:
         import logging
 
         logging.getLogger("stepflow.train").warning(
-            "sampler=ode has no density: this run rolls out and scores, and trains nothing (train/steps_trained=0); "
-            "use a stochastic sampler (ddim_sde, flow_sde, cps) to train")
+            "sampler=%s has no density: this run rolls out and scores, and trains nothing (train/steps_trained=0); "
+            "use a stochastic sampler (ddim_sde, flow_sde, cps) to train, or an objective without log-probs "
+            "(objective=nft, awm, advantageflow, distill)", sampler.name)
         return
     union = window_union(window, num_steps)
-    if trainable_steps(train, sampler, time_grid(num_steps, shift=1.0), distill, union):
+    if trainable_steps(train, sampler, time_grid(num_steps, shift=1.0), density, union):
         return
     steps = train.train_steps
     chosen = (f"train.train_steps={list(steps)}" if isinstance(steps, list)
               else f"the first int(T·train.timestep_fraction) = {int(num_steps * train.timestep_fraction + 1e-9)} "
                    f"steps" if train.timestep_fraction < 1 else
-              "train.train_steps=auto: every noisy step" if steps == "auto" else "every noisy step")
+              "every noisy step")
     if union is not None:
         grid = time_grid(num_steps, shift=1.0)
         quiet = [k for k in range(num_steps) if float(step_std(sampler, grid[k], grid[k + 1], t_guard=grid[1])) == 0]
@@ -141,6 +143,7 @@ class Settings:
     data: DataConfig
     sampler: Any
     advantage: Any
+    objective: Any
     window: Any
 
 
@@ -149,6 +152,7 @@ def settings(cfg: DictConfig) -> Settings:
     anything is built or loaded (a wrong setting is one line in a second, not after minutes of loading a model)."""
     from stepflow.advantage import AdvantageConfig
     from stepflow.cli import check_finite
+    from stepflow.config import ObjectiveConfig
     from stepflow.sde import SamplerConfig
     from stepflow.window import WindowConfig
 
@@ -162,12 +166,46 @@ def settings(cfg: DictConfig) -> Settings:
                  ema=to_config(cfg.ema, EmaConfig, "ema"), lora=to_config(cfg.lora, LoraConfig, "lora"),
                  data=to_config(cfg.data, DataConfig, "data"), sampler=to_config(cfg.sampler, SamplerConfig, "sampler"),
                  advantage=to_config(cfg.advantage, AdvantageConfig, "advantage"),
+                 objective=to_config(cfg.objective, ObjectiveConfig, "objective"),
                  window=to_config(cfg.window, WindowConfig, "window"))
-    if s.advantage.rollout_sampler is not None:  # the scheme's own rollout sampler (distill: ode), in its config
-        s.sampler = SamplerConfig(name=s.advantage.rollout_sampler)
-    check_train_steps(train, s.sampler, loop.num_steps)
-    check_trains_something(train, s.sampler, s.window, loop.num_steps, s.advantage.scheme == "distill")
+    if s.objective.rollout_sampler is not None:  # the objective's own rollout sampler (distill: ode), in its config
+        s.sampler = SamplerConfig(name=s.objective.rollout_sampler)
+    check_objective(s)
+    check_train_steps(train, s.sampler, loop.num_steps, s.objective.name == "grpo")
+    check_trains_something(train, s.sampler, s.window, loop.num_steps, s.objective.name == "grpo")
     return s
+
+
+def check_objective(s: Settings) -> None:
+    """One-line errors for settings the chosen objective cannot use: the step weightings (which weigh SDE steps)
+    with a forward-process objective, distillation without x̂0 estimates of every state, AWM with listed steps, and
+    AdvantageFlow's convexity condition."""
+    o, name = s.objective, s.objective.name
+    if o.forward_process and s.train.weighting != "none":
+        raise StepflowError(f"train.weighting={s.train.weighting}: weighs the rollout's SDE steps, which "
+                            f"objective={name} does not train (it trains re-noised final samples); use "
+                            "train.weighting=none")
+    if name == "distill" and s.advantage.scheme == "uniform":
+        raise StepflowError("objective=distill: weights its targets by the gain advantages, which advantage=uniform "
+                            "does not compute; use a gain scheme (advantage=gain)")
+    if name == "distill" and s.advantage.over == "trained":  # it reads every step's gain and every state's x̂0
+        import dataclasses
+        import logging
+
+        logging.getLogger("stepflow.train").warning(
+            "advantage.over=trained does not apply to objective=distill (it reads every step's gain): its gains are "
+            "normalised over all steps")
+        s.advantage = dataclasses.replace(s.advantage, over="all")
+    if name == "awm" and s.train.train_steps is not None:
+        raise StepflowError("train.train_steps: objective=awm draws its own stratified times (objective.num_times, "
+                            "objective.times_frac); set train.train_steps=null")
+    if name == "awm" and int(s.loop.num_steps * o.times_frac) < 2:
+        raise StepflowError(f"objective.times_frac: int(loop.num_steps·times_frac) = "
+                            f"{int(s.loop.num_steps * o.times_frac)} leaves no training time in [1, it); raise "
+                            "loop.num_steps or objective.times_frac")
+    if name == "advantageflow" and not o.gamma + o.lam > 1:
+        raise StepflowError(f"objective.gamma: gamma + lam must be > 1 (advantages lie in [-1, 1], so A + gamma + "
+                            f"lam > 0 keeps every sample's loss convex), got {o.gamma} + {o.lam}")
 
 
 def build_module(cfg: DictConfig, run_dir: Path):
@@ -183,7 +221,7 @@ def build_module(cfg: DictConfig, run_dir: Path):
         logging.getLogger("stepflow.train").warning(
             "advantage.over=trained does not apply to advantage=%s (it reads every step's gain): its gains are "
             "normalised over all steps", advantage.scheme)
-    same_latent = loop.same_latent if advantage.same_latent is None else advantage.same_latent
+    same_latent = loop.same_latent if s.objective.same_latent is None else s.objective.same_latent
     train_records = load_prompt_file(s.data.train_file, "data.train_file")
     eval_records = load_prompt_file(s.data.eval_file, "data.eval_file")
     plan = PromptPlanner(train_records, loop.prompts_per_iter, loop.group_size, seed=loop.seed,
@@ -192,7 +230,7 @@ def build_module(cfg: DictConfig, run_dir: Path):
     policy = build_policy(cfg)
     reward = build_reward(cfg)
     return GRPOModule(policy, reward, s.sampler, advantage, plan, eval_records, loop, train, s.eval, s.ema, run_dir,
-                      window=None if s.window.kind == "none" else s.window)
+                      window=None if s.window.kind == "none" else s.window, objective=s.objective)
 
 
 def build_trainer(cfg: DictConfig, run_dir: Path):
@@ -224,7 +262,7 @@ def _deepspeed_env(cfg: DictConfig) -> None:
 
 def check_strategy(cfg: DictConfig) -> None:
     """One-line errors for what a sharded strategy (FSDP2, DeepSpeed) cannot run, before anything is built: the
-    per-step gradient schemes (``train.weighting=grad_rms``, ``train.train_steps=auto``) read and rewrite whole
+    per-step gradient schemes (``train.weighting=grad_rms``, ``train.weighting=auto``) read and rewrite whole
     ``p.grad`` tensors, which FSDP2 shards and DeepSpeed keeps in its own partitions."""
     from stepflow.dist import strategy_kind_of_config
 
@@ -232,11 +270,9 @@ def check_strategy(cfg: DictConfig) -> None:
     train = to_config(cfg.train, TrainConfig, "train")
     if kind not in ("fsdp", "deepspeed"):
         return
-    what = ("train.weighting=grad_rms" if train.weighting == "grad_rms"
-            else "train.train_steps=auto" if train.train_steps == "auto" else None)
-    if what:
-        raise StepflowError(f"{what}: combines whole per-step gradients, which trainer={kind} shards; use trainer=ddp "
-                            "(or ddp_cpu) for it, or another train.weighting / explicit train.train_steps")
+    if train.weighting in ("grad_rms", "auto"):
+        raise StepflowError(f"train.weighting={train.weighting}: combines whole per-step gradients, which "
+                            f"trainer={kind} shards; use trainer=ddp (or ddp_cpu) for it, or another train.weighting")
 
 
 def run(cfg: DictConfig, run_dir: Path):

@@ -130,7 +130,7 @@ def test_full_suite_axes():
     assert arms["substeps"] == ["loop.substeps=1", "loop.substeps=2", "loop.substeps=5", "loop.substeps=8",
                                 "loop.adaptive_substeps=true"]
     assert arms["normalization"] == ["advantage=gain", "advantage=gain_per_step"]
-    assert arms["credit"] == ["advantage=gain", "advantage=gain_ema", "advantage=gae", "advantage=distill"]
+    assert arms["credit"] == ["advantage=gain", "advantage=gain_ema", "advantage=gae", "objective=distill"]
     assert s.seeds == [0, 1, 2] and s.launcher is None
     assert ablations.build_suites()["paper"].launcher == "slurm"
 

@@ -147,7 +147,6 @@ def test_assigner_schemes_compose_the_primitives():
     g = gains(r.double())
     for scheme, ref in [
         ("gain", group_normalize(g, ids)),
-        ("distill", group_normalize(g, ids)),
         ("gain_per_step", normalize_per_step(g, ids)),
         ("gae", group_normalize(gae(g, 1.0, 0.9), ids)),
         ("uniform", uniform_advantages(r[:, -1], ids, 5)),

@@ -224,14 +224,14 @@ def test_grad_rms_update_combines_each_steps_gradient_at_the_rms_norm(tmp_path, 
 
 
 def test_auto_train_steps_log_and_checkpoint_the_signal(tmp_path, monkeypatch):
-    """train.train_steps=auto end to end: per-step signal and weights are logged, and the estimate is restored on
+    """train.weighting=auto end to end: per-step signal and weights are logged, and the estimate is restored on
     resume exactly."""
     import csv
 
     from stepflow.train import run
 
     monkeypatch.setenv("STEPFLOW_CACHE", str(tmp_path / "cache"))
-    args = ["experiment=smoke", "sampler=flow_sde", "train.train_steps=auto", "train.auto_every=1",
+    args = ["experiment=smoke", "sampler=flow_sde", "train.weighting=auto", "train.auto_every=1",
             "train.auto_warmup=1", "reward=pickscore_tiny"]
     module = run(compose_config("train", [*args, "loop.iterations=2"]), tmp_path)
     sig = module.learner.signal

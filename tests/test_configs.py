@@ -220,9 +220,13 @@ def test_python_and_yaml_sampler_defaults_agree():
 
 
 def test_distill_states_its_ode_rollout_and_independent_noise():
-    cfg = compose_config("train", ["advantage=distill"])
-    assert cfg.advantage.rollout_sampler == "ode" and cfg.advantage.same_latent is False
-    assert compose_config("train").advantage.rollout_sampler is None
+    from stepflow.train import settings
+
+    cfg = compose_config("train", ["objective=distill"])
+    assert cfg.objective.rollout_sampler == "ode" and cfg.objective.same_latent is False
+    assert settings(cfg).sampler.name == "ode"
+    assert compose_config("train").objective.rollout_sampler is None
+    assert compose_config("train").objective.name == "grpo"
 
 
 @pytest.mark.parametrize("section,value,needle", [

@@ -75,7 +75,7 @@ def test_the_entry_point_checks_finiteness_before_its_task_runs(tmp_path):
 @pytest.mark.parametrize("overrides,field", [
     (["window=fixed", "window.start=2", "window.size=2", "train.train_steps=[1]"], "window"),
     (["window=fixed", "window.start=3", "window.size=1"], "window"),  # only the noise-free last step
-    (["window=fixed", "window.start=3", "window.size=1", "train.train_steps=auto"], "window"),
+    (["window=fixed", "window.start=3", "window.size=1", "train.weighting=auto"], "window"),
     (["window=sliding", "window.start=3", "window.size=1"], "window"),
     (["window=random", "window.start=3", "window.size=1"], "window"),
     (["window=fixed", "window.start=3", "window.size=2"], "window.size"),  # does not fit the 4-step grid
@@ -96,9 +96,11 @@ def test_settings_that_would_train_nothing_are_refused(overrides, field):
     ["window=fixed", "window.start=1", "window.size=2"],
     ["window=fixed", "window.start=2", "window.size=2", "train.train_steps=[2]"],
     ["window=sliding", "window.start=0", "window.size=2"],
-    ["window=random", "window.start=1", "window.size=2", "train.train_steps=auto"],
+    ["window=random", "window.start=1", "window.size=2", "train.weighting=auto"],
     ["train.train_steps=[2,1]"],
-    ["advantage=distill"],  # distillation trains the ODE's steps: noise-free steps included
+    ["objective=distill"],  # distillation trains the ODE's steps: noise-free steps included
+    ["objective=nft", "sampler=ode"],  # the forward-process objectives need no density
+    ["objective=awm", "window=fixed", "window.start=0", "window.size=2"],
 ])
 def test_settings_that_train_something_pass(overrides):
     _settings(*overrides)

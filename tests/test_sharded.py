@@ -202,7 +202,7 @@ def test_sigterm_stops_a_sharded_run_cleanly(tmp_path):
 
 
 @pytest.mark.parametrize("trainer", ["fsdp_cpu", "deepspeed_cpu"])
-@pytest.mark.parametrize("arg", ["train.weighting=grad_rms", "train.train_steps=auto"])
+@pytest.mark.parametrize("arg", ["train.weighting=grad_rms", "train.weighting=auto"])
 def test_per_step_gradient_schemes_are_refused_when_sharded(tmp_path, trainer, arg, cli):
     r = cli("stepflow.train", "experiment=smoke", f"trainer={trainer}", arg, f"hydra.run.dir={tmp_path}")
     err = r.stderr.strip().splitlines()

@@ -1,0 +1,75 @@
+"""The reverse-process objectives: clipped GRPO on the rollout's SDE transitions, and gain-weighted ODE distillation."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from stepflow.loss import distill_loss, guard_log_ratio, policy_loss
+from stepflow.objectives.base import Objective
+from stepflow.sde import sde_step
+
+__all__ = ["Grpo", "Distill"]
+
+
+class Grpo(Objective):
+    """``mean_i max(−A ρ, −A clip(ρ, 1 ± ϵ)) + β·KL(π_θ ‖ π_ref)`` with ρ the likelihood ratio of the rollout's
+    X_{k+1} given X_k (docs/method.md §5); ``train.weighting=guard`` replaces log ρ by GRPO-Guard's normalised one."""
+
+    name = "grpo"
+
+    def loss(self, learner, traj, adv, term, rows, times, x0_hat):
+        o, pol, dev, k = self.train, learner.policy, learner.policy.device, term
+        x_k = traj.latents[rows, k].to(dev)
+        cond = traj.cond.index(rows).to(dev)
+        t, t_next = times[k], times[k + 1]
+        x_next = traj.latents[rows, k + 1].to(dev)
+        ref_mean = None
+        if o.beta_kl > 0:  # before the policy's forward: FSDP2 must not run a module forward between a forward
+            # with autograd and its backward (the no-grad forward reshards what the backward needs)
+            with torch.no_grad(), pol.reference():  # π_ref: the LoRA disabled, or the frozen initial transformer
+                v_ref = pol.velocity(x_k, t, cond, learner.guidance)
+                ref_mean = sde_step(learner.sampler, x_k, v_ref, t, t_next, t_guard=times[1], prev_sample=x_next).mean
+        v = pol.velocity(x_k, t, cond, learner.guidance)
+        a = adv[rows, k].to(dev)
+        out = sde_step(learner.sampler, x_k, v, t, t_next, t_guard=times[1], prev_sample=x_next)
+        lp, lp_old = out.log_prob, traj.log_probs[rows, k].to(dev)
+        if learner.weighting.guard:  # GRPO-Guard: the noise-normalised log-ratio in place of log π_θ − log π_old
+            old = sde_step(learner.sampler, x_k, traj.velocities[rows, k].to(dev), t, t_next, t_guard=times[1],
+                           prev_sample=x_next)
+            lp, lp_old = guard_log_ratio(x_next, out.mean, old.mean, out.std), torch.zeros_like(lp_old)
+        lo = policy_loss(lp, lp_old, a, clip_eps=o.clip_eps, mean=out.mean, ref_mean=ref_mean, std=out.std,
+                         kl_scale=out.kl_scale, beta=o.beta_kl, kl_mode=o.kl_mode)
+        return {"loss": lo.loss, "policy_loss": lo.policy_loss, "kl": lo.kl, "clip_frac": lo.clip_frac,
+                "ratio_mean": lo.ratio_mean, "ratio_min": lo.ratio_min, "ratio_max": lo.ratio_max,
+                "adv_abs": a.abs().mean().detach()}
+
+
+class Distill(Objective):
+    """Gain-weighted ODE progressive distillation (paper App. A, docs/method.md §6.3): the student's Tweedie x̂0 at
+    (X_k, t_k) toward sg[x̂0 two steps later] (X_T beyond the end), weighted by the step's advantage. Trains the ODE's
+    steps (no density needed); reads the x̂0 of every state k + 2."""
+
+    name = "distill"
+    needs_density = False
+    drops_zero_advantage = False
+    reads_estimates = True
+
+    @property
+    def uses_reference(self) -> bool:
+        return False
+
+    def states(self, trained: Sequence[int], num_steps: int) -> list[int]:
+        return sorted({min(k + 2, num_steps) for k in trained})
+
+    def loss(self, learner, traj, adv, term, rows, times, x0_hat):
+        pol, dev, k = learner.policy, learner.policy.device, term
+        x_k = traj.latents[rows, k].to(dev)
+        t = times[k]
+        v = pol.velocity(x_k, t, traj.cond.index(rows).to(dev), learner.guidance)
+        a: Tensor = adv[rows, k].to(dev)
+        target = x0_hat[rows, min(k + 2, traj.num_steps)].to(dev)
+        loss = distill_loss(x_k - t * v, target, a, weight=self.cfg.weight, temperature=self.cfg.temperature)
+        return {"loss": loss, "distill_loss": loss.detach()}
