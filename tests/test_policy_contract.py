@@ -42,8 +42,6 @@ class Family:
     #: a known product bug that makes the reload of a saved adapter fail (an xfail mark, strict: fixing the bug turns
     #: the test red until the mark is removed)
     reload_bug: str | None = None
-    #: every weight outside the transformer (text encoders, VAE) has requires_grad off
-    frozen_outside: bool = True
 
     @property
     def id(self) -> str:
@@ -52,7 +50,7 @@ class Family:
 
 FAMILIES = [
     # the shapes policy's word encoder keeps requires_grad (pretraining trains it; GRPO's optimizer never sees it)
-    Family("shapes_tiny", "ShapesPolicy", guidance=4.5, image=32, path_field=None, frozen_outside=False),
+    Family("shapes_tiny", "ShapesPolicy", guidance=4.5, image=32, path_field=None),
     Family("sd3_tiny", "SD3Policy", guidance=4.5),
     Family("sd35_large_tiny", "SD3Policy", guidance=3.5),
     Family("flux_tiny", "FluxPolicy", guidance=1.0),
@@ -117,8 +115,8 @@ def test_class_and_trainable_parameters(built, fam):
     assert pol.has_lora and pol.finetune == "lora" and pol.trained_subdir == "lora"
     trainable = {n for n, p in pol.transformer.named_parameters() if p.requires_grad}
     assert trainable and all("lora_" in n for n in trainable)
-    if fam.frozen_outside:
-        assert {n for n, p in pol.named_parameters() if p.requires_grad} == {f"transformer.{n}" for n in trainable}
+    # the encoders and the VAE are frozen too: a trained-weights checkpoint holds the adapter only
+    assert {n for n, p in pol.named_parameters() if p.requires_grad} == {f"transformer.{n}" for n in trainable}
     assert {id(p) for p in pol.trainable_parameters()} == {id(p) for p in pol.lora_parameters()}
     assert all(p.requires_grad for p in pol.trainable_parameters())
     assert pol.dtype == torch.float32 and len(pol.latent_shape) == 3

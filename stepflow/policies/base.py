@@ -399,6 +399,15 @@ class FlowPolicy(nn.Module):
         """Classifier-free guidance ``v_u + w·(v_c − v_u)`` (a model whose pipeline rescales it overrides this)."""
         return v_u + guidance * (v_c - v_u)
 
+    def _freeze_encoders(self) -> None:
+        """Every module but the transformer (text encoders, VAE) is frozen: GRPO trains the transformer only, and a
+        trained-weights checkpoint (``requires_grad``) must not carry the encoders."""
+        mods = dict(self.named_children()) if isinstance(self, nn.Module) else {}
+        mods.update({k: v for k, v in vars(self).items() if isinstance(v, nn.Module)})
+        for mod in mods.values():
+            if mod is not self.transformer:
+                mod.requires_grad_(False)
+
     # ------------------------------------------------------------------ LoRA
     def add_lora(self, rank: int = 32, alpha: float = 64.0, targets: Sequence[str] = LORA_TARGETS_SD3,
                  init: str = "gaussian", dropout: float = 0.0) -> None:
@@ -409,6 +418,7 @@ class FlowPolicy(nn.Module):
             raise ValueError("model.finetune=full trains every transformer weight: it takes no LoRA adapter "
                              "(set lora.rank=0, or model.finetune=lora)")
         self.transformer.requires_grad_(False)
+        self._freeze_encoders()
         present = {n for n, _ in self.transformer.named_modules()}
         wanted = [t for t in targets if any(n.endswith(t) for n in present)]
         if not wanted:
@@ -510,6 +520,7 @@ class FlowPolicy(nn.Module):
             self.transformer.requires_grad_(False)
             for p in self.lora_parameters():
                 p.requires_grad_(True)
+        self._freeze_encoders()
         self.finetune = mode
         self._ref_copy = None
 
