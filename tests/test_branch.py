@@ -1,0 +1,92 @@
+"""Branch rollouts (stepflow.branch): the completion grids, one SDE step from the anchor's state with its density,
+the Euler completion against an independent loop and against the rollout itself, and the NFE count."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from stepflow.branch import branch_at, complete, completion_grid, completion_nfe
+from stepflow.sde import SamplerConfig
+from stepflow.testing.harness import compose_config
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    from stepflow.rollout import rollout
+    from stepflow.train import build_module
+
+    m = build_module(compose_config("train", ["experiment=smoke"]), tmp_path_factory.mktemp("branch"))
+    lr = m.learner
+    plan = lr.plan.plan(0).rows(slice(0, 3))
+    anchor = rollout(lr.policy, plan, SamplerConfig(name="ode"), lr.loop.num_steps, 1.0)
+    return lr.policy, plan, anchor
+
+
+def test_completion_grid_is_granular_grpos_suffix():
+    times = torch.tensor([1.0, 0.9, 0.7, 0.5, 0.3, 0.1, 0.0])  # T = 6
+    assert completion_grid(times, 0).tolist() == pytest.approx([0.7, 0.5, 0.3, 0.1, 0.0])  # σ[2:]
+    assert completion_grid(times, 0, 2).tolist() == pytest.approx([0.7, 0.3, 0.0])  # σ[2::2] ends at 0
+    assert completion_grid(times, 1, 2).tolist() == pytest.approx([0.5, 0.1, 0.0])  # σ[3::2] + the final 0
+    assert completion_grid(times, 4).tolist() == [0.0]
+    assert completion_grid(times, 5).numel() == 0  # the last step lands on X_T itself
+    assert [completion_nfe(10, k) for k in range(10)] == [10 - k - 1 for k in range(9)] + [0]  # T − k − 1
+    assert sum(completion_nfe(10, k) for k in range(9)) == 45  # TempFlow-GRPO: (9+8+…+1) per branch
+    with pytest.raises(ValueError, match="granularity"):
+        completion_grid(times, 0, 0)
+
+
+def test_a_noise_free_branch_completes_to_the_anchors_image(setup):
+    """With the ODE as the branch's sampler, the branch step is the anchor's own step and the completion follows the
+    anchor's grid: the final latent is the anchor's X_T (bit for bit)."""
+    pol, plan, anchor = setup
+    for k in (0, 2, anchor.num_steps - 1):
+        br = branch_at(pol, anchor.latents, anchor.velocities, anchor.times, anchor.cond, k, SamplerConfig(name="ode"),
+                       2, plan.step_noise_seeds)
+        for j in range(2):
+            torch.testing.assert_close(br.final[:, j, 0], anchor.latents[:, -1], rtol=0, atol=1e-6)
+        torch.testing.assert_close(br.next[:, 0], anchor.latents[:, k + 1], rtol=0, atol=1e-6)
+
+
+def test_a_branch_is_one_sde_step_with_its_density_then_an_euler_completion(setup):
+    pol, plan, anchor = setup
+    k, kk = 1, 3
+    sampler = SamplerConfig(name="flow_sde", a=0.7)
+    br = branch_at(pol, anchor.latents, anchor.velocities, anchor.times, anchor.cond, k, sampler, kk,
+                   plan.step_noise_seeds, granularities=(1, 2))
+    assert br.next.shape[:2] == (3, kk) and br.final.shape[:3] == (3, kk, 2)
+    assert len({tuple(br.next[0, j].flatten()[:4].tolist()) for j in range(kk)}) == kk  # branches differ
+    # the transition's density: a Gaussian of the branch's mean and std, the mean over dims (Flow-GRPO's convention)
+    normal = torch.distributions.Normal(br.mean[:, None], br.std.view(-1, 1, 1, 1, 1))
+    want = normal.log_prob(br.next).flatten(2).mean(2)
+    torch.testing.assert_close(br.log_probs, want, rtol=1e-5, atol=1e-5)
+    # the completion: an Euler loop written here from X_{k+1} over τ_{k+2}..τ_T (g = 1) and every other point (g = 2)
+    t = anchor.times
+    for g, grid in ((0, t[k + 2:]), (1, torch.cat([t[k + 2::2], t[-1:]]) if float(t[k + 2::2][-1]) != 0 else t[k + 2::2])):
+        x, tt = br.next[1].clone(), t[k + 1]
+        cond = anchor.cond.index([1, 1, 1])
+        with torch.no_grad():
+            for s in grid:
+                x = x + (s - tt) * pol.velocity(x, tt, cond, 1.0)
+                tt = s
+        torch.testing.assert_close(br.final[1, :, g], x, rtol=1e-5, atol=1e-6)
+    # a branch depends on its row alone
+    again = branch_at(pol, anchor.latents[1:2], anchor.velocities[1:2], anchor.times, anchor.cond.index([1]), k,
+                      sampler, kk, plan.step_noise_seeds[1:2])
+    torch.testing.assert_close(again.next[0], br.next[1], rtol=0, atol=0)
+
+
+def test_branch_nfes_are_counted(setup):
+    pol, plan, anchor = setup
+    t_steps, kk, b = anchor.num_steps, 2, anchor.batch_size
+    n0 = pol.nfe
+    for k in range(t_steps - 1):
+        branch_at(pol, anchor.latents, anchor.velocities, anchor.times, anchor.cond, k,
+                  SamplerConfig(name="flow_sde"), kk, plan.step_noise_seeds)
+    assert pol.nfe - n0 == b * kk * t_steps * (t_steps - 1) // 2
+    n0 = pol.nfe
+    complete(pol, anchor.latents[:, 0], anchor.times[0], anchor.times[1:], anchor.cond, guidance=4.5)
+    assert pol.nfe - n0 == 2 * b * t_steps  # CFG: two evaluations per sample and step
+    assert math.isfinite(float(anchor.latents[:, -1].abs().max()))
