@@ -58,43 +58,51 @@ def _group_index(group_ids: Tensor, batch: int) -> tuple[Tensor, int]:
     return inv, int(inv.max().item()) + 1 if batch > 0 else 0
 
 
-def _segment_stats(values: Tensor, seg: Tensor, k: int) -> tuple[Tensor, Tensor, Tensor]:
-    """Per-segment mean, population std (ddof 0) and "all equal" flag over the entries of ``values`` (P,).
+def _segment_stats(values: Tensor, seg: Tensor, k: int, unbiased: bool = False) -> tuple[Tensor, Tensor, Tensor]:
+    """Per-segment mean, std and "all equal" flag over the entries of ``values`` (P,).
 
-    seg: (P,) segment index in 0..k−1.  Returns three (k,) tensors.
+    The std is the population std (ddof 0), or with ``unbiased`` the sample std (ddof 1, torch's ``Tensor.std()``
+    default; 0 for a segment of one entry, which is constant anyway).  seg: (P,) segment index in 0..k−1.
+    Returns three (k,) tensors.
     """
     count = torch.zeros(k, dtype=values.dtype, device=values.device).index_add_(0, seg, torch.ones_like(values))
     total = torch.zeros(k, dtype=values.dtype, device=values.device).index_add_(0, seg, values)
     mean = total / count
     dev2 = torch.zeros(k, dtype=values.dtype, device=values.device).index_add_(0, seg, (values - mean[seg]) ** 2)
-    std = torch.sqrt(dev2 / count)
+    if unbiased:
+        std = torch.sqrt(dev2 / (count - 1).clamp(min=1))
+    else:
+        std = torch.sqrt(dev2 / count)
     vmax = torch.full((k,), -torch.inf, dtype=values.dtype, device=values.device).scatter_reduce_(0, seg, values, "amax")
     vmin = torch.full((k,), torch.inf, dtype=values.dtype, device=values.device).scatter_reduce_(0, seg, values, "amin")
     return mean, std, vmax == vmin
 
 
 def _normalize_segments(values: Tensor, seg: Tensor, k: int, std_scope: str, eps: float,
-                        global_seg: Tensor | None = None, k_global: int = 1) -> Tensor:
-    """``(v − mean_seg) / (std + eps)``; std over the segment (``group``) or over ``global_seg`` (``global``).
+                        global_seg: Tensor | None = None, k_global: int = 1, unbiased: bool = False) -> Tensor:
+    """``(v − mean_seg) / (std + eps)``; std over the segment (``group``) or over ``global_seg`` (``global``),
+    population (ddof 0) or, with ``unbiased``, sample std (ddof 1).
 
     Constant segments give exactly 0 (not round-off).  values, seg, global_seg: (P,).
     """
-    mean, std, const = _segment_stats(values, seg, k)
+    mean, std, const = _segment_stats(values, seg, k, unbiased)
     centred = torch.where(const[seg], torch.zeros_like(values), values - mean[seg])
     if std_scope == "group":
         scale = std[seg]
     else:
         gseg = torch.zeros_like(seg) if global_seg is None else global_seg
-        scale = _segment_stats(values, gseg, k_global)[1][gseg]
+        scale = _segment_stats(values, gseg, k_global, unbiased)[1][gseg]
     return centred / (scale + eps)
 
 
-def group_normalize(values: Tensor, group_ids: Tensor, *, std_scope: str = "group", eps: float = 1e-4) -> Tensor:
+def group_normalize(values: Tensor, group_ids: Tensor, *, std_scope: str = "group", eps: float = 1e-4,
+                    unbiased: bool = False) -> Tensor:
     """Joint per-group normalisation (paper Eq. 5, method.md §5).
 
     values: (B,) or (B, T); group_ids: (B,).  For a group c, mean μ_c and population std s_c are taken over **all**
     its entries (N rows × T columns); ``out = (v − μ_c) / (s_c + eps)``.  ``std_scope="global"`` replaces s_c by
-    the std over all B·T entries (Flow-GRPO's ``global_std``).  A group whose entries are all equal gets exactly 0.
+    the std over all B·T entries (Flow-GRPO's ``global_std``).  ``unbiased``: the sample std (ddof 1, DanceGRPO's
+    ``group_rewards.std()``) in place of the population std.  A group whose entries are all equal gets exactly 0.
     Returns float32 of the same shape as ``values``.
     """
     _check_scope(std_scope, eps)
@@ -106,16 +114,17 @@ def group_normalize(values: Tensor, group_ids: Tensor, *, std_scope: str = "grou
     inv = inv.to(v.device)
     width = 1 if v.ndim == 1 else v.shape[1]
     seg = inv.view(b, 1).expand(b, width).reshape(-1)
-    out = _normalize_segments(v.reshape(-1), seg, k, std_scope, eps)
+    out = _normalize_segments(v.reshape(-1), seg, k, std_scope, eps, unbiased=unbiased)
     return out.view(v.shape).to(torch.float32)
 
 
-def normalize_per_step(g: Tensor, group_ids: Tensor, *, std_scope: str = "group", eps: float = 1e-4) -> Tensor:
+def normalize_per_step(g: Tensor, group_ids: Tensor, *, std_scope: str = "group", eps: float = 1e-4,
+                       unbiased: bool = False) -> Tensor:
     """Per-step normalisation (App. C ablation, method.md §5): each column k separately within each group.
 
     g: (B, T); ``out[i, k] = (g[i,k] − mean_{j∈c} g[j,k]) / (std_{j∈c} g[j,k] + eps)``; ``std_scope="global"``
     uses the std of column k over all B rows (what Flow-GRPO's tracker does with ``global_std`` and (B, T) input).
-    Returns (B, T) float32.
+    ``unbiased``: sample std (ddof 1).  Returns (B, T) float32.
     """
     _check_scope(std_scope, eps)
     v = g.detach().to(torch.float64)
@@ -127,17 +136,18 @@ def normalize_per_step(g: Tensor, group_ids: Tensor, *, std_scope: str = "group"
     cols = torch.arange(t, device=v.device).view(1, t)
     seg = (inv.view(b, 1) * t + cols).reshape(-1)  # (group, step) segments
     gseg = cols.expand(b, t).reshape(-1)  # step segments (global std per step)
-    out = _normalize_segments(v.reshape(-1), seg, k * t, std_scope, eps, global_seg=gseg, k_global=t)
+    out = _normalize_segments(v.reshape(-1), seg, k * t, std_scope, eps, global_seg=gseg, k_global=t, unbiased=unbiased)
     return out.view(b, t).to(torch.float32)
 
 
 def uniform_advantages(final: Tensor, group_ids: Tensor, num_steps: int, *, std_scope: str = "group",
-                       eps: float = 1e-4) -> Tensor:
-    """Flow-GRPO advantages (paper Eq. 4): ``(R − mean_c R)/(std_c R + eps)`` repeated over T steps.
+                       eps: float = 1e-4, unbiased: bool = False) -> Tensor:
+    """Flow-GRPO advantages (paper Eq. 4): ``(R − mean_c R)/(std_c R + eps)`` repeated over T steps (``unbiased``:
+    the sample std, DanceGRPO's ``(R − mean)/(std() + 1e-8)`` with ``eps=1e-8``).
 
     final: (B,) final rewards; returns (B, num_steps) float32.
     """
-    a = group_normalize(final, group_ids, std_scope=std_scope, eps=eps)
+    a = group_normalize(final, group_ids, std_scope=std_scope, eps=eps, unbiased=unbiased)
     return a.view(-1, 1).expand(-1, int(num_steps)).contiguous()
 
 
@@ -216,6 +226,9 @@ class AdvantageConfig:
     ema_alpha: α of :class:`EmaBaseline`.     gamma, lam: GAE's γ, λ (only γλ matters, see :func:`gae`).
     norm:     None (scheme default: joint, except ``gain_per_step``) | ``joint`` | ``per_step``; overrides the
               normalisation of the gain-family schemes; ignored for ``uniform`` (one value per row).
+    unbiased_std: divide by the sample std (ddof 1, torch's ``Tensor.std()`` default: DanceGRPO's group std,
+              fastvideo/train_grpo_flux.py L542) instead of the population std (ddof 0, Flow-GRPO's ``np.std``); in
+              every scheme and scope. Default false.
     over:     ``all`` (the gains of every step enter the normalisation, Eq. 5) | ``trained`` (only the trained
               steps' gains, normalised jointly over them; it applies to ``gain`` and ``gain_per_step``, the schemes
               that read every step's gain (gae, gain_ema) keep ``all``, see :attr:`effective_over`). With
@@ -233,6 +246,7 @@ class AdvantageConfig:
     lam: float = 0.9
     norm: str | None = None
     over: str = "all"
+    unbiased_std: bool = False
 
     def __post_init__(self) -> None:
         if self.scheme not in SCHEMES:
@@ -243,6 +257,8 @@ class AdvantageConfig:
             raise ValueError(f"norm: must be one of {NORMS}, got {self.norm!r}")
         if self.over not in ("all", "trained"):
             raise ValueError(f"over: must be all or trained, got {self.over!r}")
+        if not isinstance(self.unbiased_std, bool):
+            raise ValueError(f"unbiased_std: must be a bool, got {self.unbiased_std!r}")
         if not (isinstance(self.eps, (int, float)) and self.eps >= 0):
             raise ValueError(f"eps: must be a float >= 0, got {self.eps!r}")
         if not (isinstance(self.adv_clip, (int, float)) and self.adv_clip > 0):
@@ -301,7 +317,7 @@ class AdvantageEstimator:
 
     def _normalize(self, values: Tensor, group_ids: Tensor) -> Tensor:
         fn = group_normalize if self.cfg.effective_norm == "joint" else normalize_per_step
-        return fn(values, group_ids, std_scope=self.cfg.std_scope, eps=self.cfg.eps)
+        return fn(values, group_ids, std_scope=self.cfg.std_scope, eps=self.cfg.eps, unbiased=self.cfg.unbiased_std)
 
     def __call__(self, rewards: Tensor, group_ids: Tensor, num_steps: int | None = None,
                  trained: list[int] | None = None) -> AdvantageOut:
@@ -327,7 +343,8 @@ class AdvantageEstimator:
                 g[:, ks] = (rewards[:, [k + 1 for k in ks]] - rewards[:, ks]).detach().to(torch.float64)
                 adv[:, ks] = self._normalize(g[:, ks], group_ids)
         elif cfg.scheme == "uniform":
-            adv = uniform_advantages(rewards[:, -1], group_ids, t, std_scope=cfg.std_scope, eps=cfg.eps)
+            adv = uniform_advantages(rewards[:, -1], group_ids, t, std_scope=cfg.std_scope, eps=cfg.eps,
+                                     unbiased=cfg.unbiased_std)
         else:
             g = gains(rewards.detach().to(torch.float64))
             if cfg.scheme == "gain_ema":

@@ -34,7 +34,7 @@ from stepflow.sde import SamplerConfig
 from stepflow.weighting import Weighting
 
 __all__ = ["Learner", "Phases", "IterationResult", "iteration", "update", "step_loss", "step_gradients",
-           "trainable_steps", "finite_advantages", "iteration_metrics"]
+           "trainable_steps", "finite_advantages", "iteration_metrics", "subset_steps", "steps_per_sample"]
 
 
 @dataclass
@@ -71,6 +71,13 @@ class Learner:
     def signal(self):
         """The online per-step signal estimate of ``train.weighting=auto`` (else None)."""
         return self.weighting.signal
+
+    def grid(self) -> Tensor:
+        """The rollout's σ grid (T+1,) under ``loop.time_grid`` / ``loop.grid_shift`` (:func:`stepflow.rollout.sampling_grid`)."""
+        from stepflow.rollout import sampling_grid
+
+        return sampling_grid(self.policy, self.loop.num_steps, getattr(self.loop, "time_grid", "model"),
+                             getattr(self.loop, "grid_shift", None))
 
     def window_steps(self, it: int) -> list[int] | None:
         """The SDE steps of iteration ``it`` (None = all)."""
@@ -130,7 +137,7 @@ def iteration(learner: Learner, it: int) -> IterationResult:
     plan = learner.plan.plan(it)  # the same global plan on every rank; each rolls out its own rows
     mine = plan.shard(learner.dist.rank, learner.dist.world)
     steps, ph = learner.loop.num_steps, Phases(learner.policy)
-    grid = learner.policy.time_grid(steps)
+    grid = learner.grid()  # loop.time_grid: the policy's own, or FastVideo's (DanceGRPO)
     sde = learner.window_steps(it)  # the SDE window (None: every step); the others follow the ODE
     obj = learner.objective
     trained = obj.trained_steps(learner.train, learner.sampler, grid, sde)  # steps (forward objectives: times)
@@ -139,12 +146,12 @@ def iteration(learner: Learner, it: int) -> IterationResult:
     _stop_point(learner)
     if learner.loop.overlap_reward:  # the same three phases, chunk by chunk, each chunk's reward call in a thread
         with obj.behaviour():
-            traj, x0_hat, scores = _rollout_and_score_overlapped(learner, mine, need, sde, ph)
+            traj, x0_hat, scores = _rollout_and_score_overlapped(learner, mine, need, sde, ph, grid)
     else:
         with obj.behaviour():  # the behaviour policy's weights (DiffusionNFT: the old copy; else the current ones)
             with ph("rollout"):  # X_0 .. X_D and log π_old under the sampler, no grad (D: the last state needed)
                 traj = rollout(learner.policy, mine, learner.sampler, steps, learner.guidance, depth=max(need),
-                               sde_steps=sde)
+                               sde_steps=sde, grid=grid)
             _stop_point(learner)
             with ph("estimate"):  # x̂0 of the needed states by T′ Euler substeps (none for uniform credit)
                 x0_hat = _estimate(learner, traj, need)
@@ -172,7 +179,8 @@ def _estimate(learner: Learner, traj: Trajectory, need: list[int]) -> Tensor | N
                            learner.loop.estimate_chunk, states=need)
 
 
-def _rollout_and_score_overlapped(learner: Learner, plan: IterationPlan, need: list[int], sde, ph: Phases):
+def _rollout_and_score_overlapped(learner: Learner, plan: IterationPlan, need: list[int], sde, ph: Phases,
+                                  grid: Tensor | None = None):
     """Rollout, estimates and decoding of ``loop.overlap_chunks`` chunks of the rows in turn, each chunk's reward
     call submitted to a thread as soon as its images exist; the "reward" phase is what is left to wait for at the
     end. Same trajectories, rewards and NFEs as the sequential phases (rows are seeded one by one)."""
@@ -187,7 +195,8 @@ def _rollout_and_score_overlapped(learner: Learner, plan: IterationPlan, need: l
         for s in range(0, n, size):
             sub = plan.rows(slice(s, s + size))
             with ph("rollout"):
-                part = rollout(learner.policy, sub, learner.sampler, learner.loop.num_steps, learner.guidance, depth=max(need), sde_steps=sde)
+                part = rollout(learner.policy, sub, learner.sampler, learner.loop.num_steps, learner.guidance,
+                               depth=max(need), sde_steps=sde, grid=grid)
             with ph("estimate"):
                 est = _estimate(learner, part, need)
                 futures.append(score(learner.policy, learner.reward, part, est, learner.loop.decode_chunk, states=need, executor=pool))
@@ -259,7 +268,13 @@ def update(learner: Learner, traj: Trajectory, adv: Tensor, x0_hat: Tensor | Non
     grad_rms / auto combine the steps' gradients instead (:func:`_per_step_update`); ``measure``: add this update's
     gradients to the auto-step signal estimate (``groups``: (B_local,) group ids, to split the batch into independent
     halves). adv: (B_local, T); ``seeds``: (B_local,) the rows' noise seeds (what the forward-process objectives draw
-    their times and noise from; default the row indices). Returns diagnostics (means over terms)."""
+    their times and noise from, and ``train.step_subset`` each row's steps; default the row indices).
+
+    ``train.step_subset=random_per_sample`` (DanceGRPO): row i trains only its own ``int(S·train.step_fraction)`` of
+    the S terms (:func:`subset_steps`); term j runs over the chunk's rows that drew it, and each (row, term) pair's
+    loss is weighted ``weights[j]/(N·int(S·fraction))``, N the chunk's rows on every rank: the released
+    ``mean max(−Aρ, −A clip(ρ, 1 ± ϵ))/(grad_accum·train_timesteps)`` summed over an optimizer step's samples and
+    their steps (fastvideo/train_grpo_flux.py L571-611). Returns diagnostics (means over terms)."""
     o, pol, dist, obj = learner.train, learner.policy, learner.dist, learner.objective
     if steps is None:
         steps = obj.trained_steps(o, learner.sampler, traj.times, learner.window_steps(it))
@@ -276,6 +291,15 @@ def update(learner: Learner, traj: Trajectory, adv: Tensor, x0_hat: Tensor | Non
     else:
         obj.begin_update(learner, traj, it, torch.arange(traj.batch_size) if seeds is None else seeds, steps)
     todo = obj.terms(steps)
+    # train.step_subset (DanceGRPO): each row trains its own int(S·step_fraction) of the S terms, drawn from its seed
+    subset = (subset_steps(len(todo), torch.arange(traj.batch_size) if seeds is None else seeds, o.step_fraction)
+              if o.step_subset is not None and todo else None)  # (B_local, S) bool, or None: every row every term
+    if subset is not None and learner.weighting.per_step:
+        raise ValueError(f"train.step_subset: combines the terms of each sample's own steps, which "
+                         f"train.weighting={o.weighting} (whole per-step gradients) cannot; use another train.weighting")
+    per_row = len(todo) if subset is None else steps_per_sample(len(todo), o.step_fraction)
+    if per_row == 0:  # int(S·step_fraction) = 0: no sample trains a step (train.py refuses such settings)
+        chunks = []
     times = traj.times.to(pol.device)
     params = list(pol.trainable_parameters())
     stats = _Stats()  # row-weighted sums, detached 0-d tensors: no host sync until the end of the update
@@ -306,6 +330,17 @@ def update(learner: Learner, traj: Trajectory, adv: Tensor, x0_hat: Tensor | Non
 
         if learner.weighting.per_step:
             _per_step_update(learner, todo, chunk, n_global, mbs, groups, terms, params, stats.plain, measure)
+        elif subset is not None:  # term j over the chunk's rows that drew it; each (row, term) pair 1/(N·per_row)
+            mine = [[mb for mb in chunk[subset[chunk, j]].split(o.micro_batch_size) if len(mb)]
+                    for j in range(len(todo))]
+            most = torch.tensor([len(m) for m in mine], dtype=torch.float64)
+            most = dist.all_max_tensor(most) if dist.lockstep else most  # one collective for every term's count
+            last_j = max((j for j in range(len(todo)) if most[j] > 0), default=-1)
+            with dist.accumulating():
+                for j, k in enumerate(todo):
+                    pad = [torch.zeros(1, dtype=torch.long)] * (int(most[j]) - len(mine[j]) if dist.lockstep else 0)
+                    terms(k, mine[j], (1.0 if weights is None else float(weights[j])) / per_row, last=j == last_j,
+                          pads=pad)
         else:
             with dist.accumulating():
                 for j, k in enumerate(todo):
@@ -321,6 +356,8 @@ def update(learner: Learner, traj: Trajectory, adv: Tensor, x0_hat: Tensor | Non
     pol.eval()
     res = stats.reduce(dist)
     res["train/samples_trained"], res["train/steps_trained"] = dist.all_sum(len(rows)), float(len(todo) if steps else 0)
+    if subset is not None:
+        res["train/steps_per_sample"] = float(per_row)
     if weights is not None:
         res.update({f"train/weight_step{k}": float(w) for k, w in zip(steps, weights)})
     if learner.signal is not None:
@@ -330,6 +367,27 @@ def update(learner: Learner, traj: Trajectory, adv: Tensor, x0_hat: Tensor | Non
         if q95 < float("inf"):  # Cochran's Q over its 95 % point: the weights leave uniform above 1
             res["train/signal_heterogeneity"], res["train/signal_tau2"] = q / q95, tau2
     return res
+
+
+def steps_per_sample(num_terms: int, fraction: float) -> int:
+    """``train.step_subset=random_per_sample``: how many of the S terms each sample trains, ``int(S·fraction)``
+    (DanceGRPO's ``train_timesteps = int(len(timesteps)·timestep_fraction)``, fastvideo/train_grpo_flux.py L570:
+    a plain floor of the float product, as released)."""
+    return int(num_terms * fraction)
+
+
+def subset_steps(num_terms: int, seeds: Tensor, fraction: float) -> Tensor:
+    """DanceGRPO's per-sample random subset of the trained steps (fastvideo/train_grpo_flux.py L551-570): row i
+    permutes the S terms with ``torch.randperm`` under a generator seeded from its own noise seed ``seeds[i]`` (so the
+    draw depends on the row alone: the same on any rank, in any batch, on resume) and keeps the first
+    :func:`steps_per_sample` (S, fraction). seeds: (B,) long. Returns (B, S) bool, ``mask[i, j]`` = row i trains
+    term j; every row has the same count."""
+    n = steps_per_sample(num_terms, fraction)
+    mask = torch.zeros(len(seeds), num_terms, dtype=torch.bool)
+    for i, s in enumerate(seeds.tolist()):
+        g = torch.Generator().manual_seed((int(s) * 1_000_003 + 13) % (2**63 - 1))  # its own stream (NFT's is + 7)
+        mask[i, torch.randperm(num_terms, generator=g)[:n]] = True
+    return mask
 
 
 class _Stats:

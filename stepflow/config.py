@@ -33,16 +33,19 @@ from omegaconf import MISSING, DictConfig, OmegaConf
 
 from stepflow.advantage import AdvantageConfig
 from stepflow.errors import StepflowError
-from stepflow.sde import SamplerConfig
+from stepflow.sde import TIME_GRIDS, SamplerConfig
 from stepflow.window import WindowConfig
 
 __all__ = ["LoopConfig", "TrainConfig", "ObjectiveConfig", "OBJECTIVES", "EvalConfig", "EmaConfig", "LoraConfig", "DataConfig", "RunConfig",
            "PretrainArchConfig", "PretrainDataConfig", "PretrainObjectiveConfig", "PretrainOptimConfig",
            "PretrainEmaConfig", "PretrainTrainerConfig", "PretrainEvalConfig", "PretrainSelectConfig", "PretrainConfig",
            "EvaluateSamplerConfig", "EvaluateGridConfig", "EvaluateConfig", "Limits", "ServeRewardConfig",
-           "check_limit", "check_port", "check_host", "SCHEMAS", "register_configs", "to_config", "KL_MODES"]
+           "check_limit", "check_port", "check_host", "SCHEMAS", "register_configs", "to_config", "KL_MODES",
+           "STEP_SUBSETS"]
 
 KL_MODES = ("exact", "flow_grpo_parity")
+#: train.step_subset: None (every trained step, every sample) | DanceGRPO's random subset per sample
+STEP_SUBSETS = (None, "random_per_sample")
 
 #: the Hydra config directory, shipped inside the package (found the same way from a wheel or an editable install)
 CONF_DIR = Path(str(resources.files("stepflow").joinpath("conf")))
@@ -88,6 +91,14 @@ class LoopConfig:
     overlap_chunks: int = 4
     #: torch.compile the transformer with this backend (inductor on a GPU; null = eager)
     compile: str | None = None
+    #: the rollout's (and so the update's) σ grid: ``model`` = the policy's own ``time_grid`` (diffusers' scheduler:
+    #: SD3's double shift with σ_min) | ``fastvideo`` = ``sd3_time_shift(grid_shift, linspace(1, 0, T+1))``, the
+    #: grid of DanceGRPO / MixGRPO / G²RPO (one shift, no σ_min, exact 0 at the end; stepflow.sde.fastvideo_time_grid).
+    #: The held-out evaluation always samples on the model's grid
+    time_grid: str = "model"
+    #: the shift of ``time_grid=fastvideo`` (null: the policy's ``shift``, 1.0 for the shapes model, 3.0 for SD3.5;
+    #: DanceGRPO's FLUX scripts: 3)
+    grid_shift: float | None = None
 
     def __post_init__(self) -> None:
         _need(_is_int(self.seed) and self.seed >= 0, f"seed: must be an integer >= 0, got {self.seed!r}")
@@ -104,6 +115,13 @@ class LoopConfig:
         for name in ("estimate_chunk", "decode_chunk"):
             v = getattr(self, name)
             _need(v is None or v >= 1, f"{name}: must be >= 1 or null (no chunking), got {v}")
+        _need(self.time_grid in TIME_GRIDS, f"time_grid: must be one of {', '.join(TIME_GRIDS)}, got {self.time_grid!r}")
+        _need(self.grid_shift is None or (isinstance(self.grid_shift, (int, float)) and not isinstance(self.grid_shift, bool)
+                                          and math.isfinite(self.grid_shift) and self.grid_shift > 0),
+              f"grid_shift: must be a float > 0 or null (the policy's shift), got {self.grid_shift!r}")
+        _need(self.grid_shift is None or self.time_grid == "fastvideo",
+              f"grid_shift: shifts the loop.time_grid=fastvideo grid only (loop.time_grid={self.time_grid} is the "
+              "policy's own); set loop.time_grid=fastvideo or loop.grid_shift=null")
 
 
 @dataclass
@@ -134,6 +152,12 @@ class TrainConfig:
     #: measured again) every N iterations
     auto_every: int = 2
     auto_warmup: int = 3  #: weighting=auto: measurements of every step before the weights leave uniform
+    #: which of the trained steps each sample trains: null = all of them | random_per_sample = DanceGRPO's subset:
+    #: each sample permutes the trained steps with a generator seeded from its own noise seed (the same on any rank)
+    #: and trains the first int(S·step_fraction) of the S; the update's loss is the mean over the (sample, step)
+    #: pairs trained, each weighted 1/(N·int(S·step_fraction)) (fastvideo/train_grpo_flux.py L551-603)
+    step_subset: str | None = None
+    step_fraction: float = 0.6  #: step_subset=random_per_sample: the fraction of the trained steps each sample trains
 
     def __post_init__(self) -> None:
         _need(self.kl_mode in KL_MODES, f"kl_mode: must be one of {', '.join(KL_MODES)}, got {self.kl_mode!r}")
@@ -164,6 +188,10 @@ class TrainConfig:
                 raise ValueError(f"train_steps: step {dup[0]} is listed {steps.count(dup[0])} times (it would be "
                                  "trained that many times per update); list each step once")
             self.train_steps = steps
+        _need(self.step_subset in STEP_SUBSETS,
+              f"step_subset: must be null or one of {', '.join(k for k in STEP_SUBSETS if k)}, got {self.step_subset!r}")
+        _need(isinstance(self.step_fraction, (int, float)) and not isinstance(self.step_fraction, bool)
+              and 0 < self.step_fraction <= 1, f"step_fraction: must be in (0, 1], got {self.step_fraction!r}")
         self.betas = [float(b) for b in self.betas]
         if self.on_policy:
             self.updates_per_iter = 1

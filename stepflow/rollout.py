@@ -19,12 +19,12 @@ from torch import Tensor
 
 from stepflow.data import IterationPlan, seeded_normal
 from stepflow.estimate import estimate_x0_with_nfe
-from stepflow.policies.base import Cond, FlowPolicy
+from stepflow.policies.base import Cond, FlowPolicy, check_time_grid
 from stepflow.rewards.base import Reward
-from stepflow.sde import SamplerConfig, sde_step
+from stepflow.sde import TIME_GRIDS, SamplerConfig, fastvideo_time_grid, sde_step
 from stepflow.solvers import dpm2_step, dpm_order, x0_from_v
 
-__all__ = ["Trajectory", "Scores", "rollout", "estimate_states", "score"]
+__all__ = ["Trajectory", "Scores", "sampling_grid", "rollout", "estimate_states", "score"]
 
 _ODE = SamplerConfig(name="ode")
 
@@ -88,11 +88,25 @@ class Scores:
     images: int = 0
 
 
+def sampling_grid(policy: FlowPolicy, num_steps: int, kind: str = "model", shift: float | None = None) -> Tensor:
+    """The T-step σ grid (T+1,) of ``loop.time_grid``: ``model`` = ``policy.time_grid(num_steps)`` (the scheduler's);
+    ``fastvideo`` = :func:`stepflow.sde.fastvideo_time_grid` with ``shift`` (None: ``policy.shift``), DanceGRPO's.
+    Both run from exactly 1 to exactly 0 (checked), so the steps without noise are the same on either grid."""
+    if kind == "model":
+        return policy.time_grid(num_steps)
+    if kind != "fastvideo":
+        raise ValueError(f"time_grid: must be one of {', '.join(TIME_GRIDS)}, got {kind!r}")
+    return check_time_grid(fastvideo_time_grid(num_steps, float(policy.shift if shift is None else shift)),
+                           "loop.time_grid=fastvideo")
+
+
 @torch.no_grad()
 def rollout(policy: FlowPolicy, plan: IterationPlan, sampler: SamplerConfig, num_steps: int,
-            guidance: float, depth: int | None = None, sde_steps: list[int] | None = None) -> Trajectory:
+            guidance: float, depth: int | None = None, sde_steps: list[int] | None = None,
+            grid: Tensor | None = None) -> Trajectory:
     """Encode the plan's prompts and sample its B trajectories with ``sampler`` under the current weights (π_old),
-    for ``depth`` steps of the T-step grid (default all T).
+    for ``depth`` steps of the T-step grid (default all T): ``grid`` (T+1,) (default ``policy.time_grid(num_steps)``;
+    :func:`sampling_grid`), stored as ``Trajectory.times``, which is what the update steps on.
 
     Noise is row-seeded (``plan.init_noise_seeds`` for X_0, ``plan.step_noise_seeds`` for the SDE noise ε of every
     step), so a sample does not depend on the batch it is in (one process vs DDP, resume), nor on the depth.
@@ -109,7 +123,9 @@ def rollout(policy: FlowPolicy, plan: IterationPlan, sampler: SamplerConfig, num
     b = len(plan)
     cond = policy.encode(plan.prompts)
     shape = tuple(policy.latent_shape)
-    times = policy.time_grid(num_steps).to(device)
+    times = (policy.time_grid(num_steps) if grid is None else grid).to(device)
+    if times.shape != (num_steps + 1,):
+        raise ValueError(f"grid: expected shape ({num_steps + 1},) for {num_steps} steps, got {tuple(times.shape)}")
     x = seeded_normal(plan.init_noise_seeds, shape, device)
     eps = seeded_normal(plan.step_noise_seeds, (num_steps, *shape), device)  # (B, T, C, H, W)
     lat, vel, lps, trn = [x], [], [], []

@@ -23,6 +23,8 @@ from torch import Tensor
 
 __all__ = [
     "time_grid",
+    "fastvideo_time_grid",
+    "TIME_GRIDS",
     "StepOut",
     "SamplerConfig",
     "SAMPLERS",
@@ -32,18 +34,25 @@ __all__ = [
     "sde_step",
     "step_std",
     "flow_sde_step",
+    "dance_sde_step",
     "ddim_sde_step",
     "cps_step",
     "ode_step",
     "gaussian_log_prob",
 ]
 
-SAMPLERS = ("flow_sde", "ddim_sde", "cps", "ode", "dpm2")
+SAMPLERS = ("flow_sde", "dance_sde", "ddim_sde", "cps", "ode", "dpm2")
 DDIM_SCHEDULES = ("eta_s_sqrt1mt", "eta_s", "eta_t_sqrt1mt")
 LOGPROBS = ("gaussian", "cps_constfree")
 #: each sampler's log-prob convention when ``SamplerConfig.logprob`` is None (FlowCPS uses the constant-free one)
-DEFAULT_LOGPROB = {"flow_sde": "gaussian", "ddim_sde": "gaussian", "cps": "cps_constfree", "ode": "gaussian",
-                   "dpm2": "gaussian"}
+DEFAULT_LOGPROB = {"flow_sde": "gaussian", "dance_sde": "gaussian", "ddim_sde": "gaussian", "cps": "cps_constfree",
+                   "ode": "gaussian", "dpm2": "gaussian"}
+#: each sampler's η when ``SamplerConfig.eta`` is None: DanceGRPO's released 0.3 for ``dance_sde``, the paper's 0.9
+#: for the DDIM schedules and CPS (ignored by the others)
+DEFAULT_ETA = {"dance_sde": 0.3}
+_ETA = 0.9
+#: the sampling grids of ``loop.time_grid``: the policy's own (diffusers' scheduler) or FastVideo's (DanceGRPO)
+TIME_GRIDS = ("model", "fastvideo")
 _HALF_LOG_2PI = 0.5 * math.log(2.0 * math.pi)
 
 
@@ -75,6 +84,24 @@ def time_grid(num_steps: int, shift: float = 3.0, num_train_timesteps: int = 100
     return torch.cat([tau, tau.new_zeros(1)]).to(torch.float32)
 
 
+def fastvideo_time_grid(num_steps: int, shift: float = 3.0) -> Tensor:
+    """The FastVideo-based repos' grid (DanceGRPO, MixGRPO, G²RPO): ``sd3_time_shift(shift, linspace(1, 0, N+1))``.
+
+    ``sd3_time_shift(s, t) = s·t / (1 + (s − 1)·t)``, applied **once** to a uniform grid that already ends at 0: no
+    σ_min, no appended 0 (XueZeyue/DanceGRPO@15cc71d fastvideo/train_grpo_flux.py L127-128, L311-313; computed in
+    fp32 as there). Unlike :func:`time_grid` (diffusers' double shift with σ_min), its last step runs from
+    ``shift(1/N)`` to exactly 0. For ``num_steps=10, shift=1`` it is ``linspace(1, 0, 11)``.
+
+    Returns: ``(num_steps + 1,)`` fp32, strictly decreasing from exactly 1.0 to exactly 0.0.
+    """
+    if int(num_steps) != num_steps or num_steps < 1:
+        raise ValueError(f"num_steps: must be a positive integer, got {num_steps!r}")
+    if not (isinstance(shift, (int, float)) and math.isfinite(shift) and shift > 0):
+        raise ValueError(f"shift: must be a finite float > 0, got {shift!r}")
+    u = torch.linspace(1, 0, int(num_steps) + 1)
+    return (shift * u) / (1 + (shift - 1) * u)
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # config and output types
 # ----------------------------------------------------------------------------------------------------------------
@@ -87,7 +114,8 @@ class StepOut:
     std:      (B,) per-sample std of the step; 0 = deterministic.
     log_prob: (B,) log π(next | x) (mean over non-batch dims); 0 where ``std == 0``.
     trainable:(B,) bool, ``std > 0``.
-    kl_scale: (B,) the std Flow-GRPO's KL divides by: ``σ_d`` (no √Δt) for flow_sde, ``std`` otherwise (method.md §2).
+    kl_scale: (B,) the std Flow-GRPO's KL divides by: ``σ_d`` (no √Δt) for flow_sde, η (the constant diffusion
+              coefficient, no √Δt) for dance_sde, ``std`` otherwise (method.md §2, §2.1).
     """
 
     next: Tensor
@@ -102,12 +130,15 @@ class StepOut:
 class SamplerConfig:
     """Sampler choice and its parameters (method.md §2, §3).
 
-    name:     ``flow_sde`` (Flow-GRPO, §2) | ``ddim_sde`` (§3.1) | ``cps`` (FlowCPS, §3.3) | ``ode`` (Euler) |
+    name:     ``flow_sde`` (Flow-GRPO, §2) | ``dance_sde`` (DanceGRPO, §2.1) | ``ddim_sde`` (§3.1) |
+              ``cps`` (FlowCPS, §3.3) | ``ode`` (Euler) |
               ``dpm2`` (DiffusionNFT's deterministic multistep DPM-Solver++(2M) on x̂0, :mod:`stepflow.solvers`;
               :func:`stepflow.rollout.rollout` keeps the previous x̂0 it needs; ``a``, ``eta``, ``schedule``,
               ``first_step_guard`` and ``logprob`` do not affect ``ode`` or ``dpm2``).
     a:        Flow-GRPO noise level, ``σ_d = a·sqrt(t/(1−t))``.
-    eta:      DDIM η (``σ = η·s·...``) and CPS η (``std = s·sin(η·π/2)``).
+    eta:      DDIM η (``σ = η·s·...``), CPS η (``std = s·sin(η·π/2)``), both in [0, 1], and DanceGRPO's constant
+              diffusion coefficient η (``std = η·sqrt(Δt)``, >= 0); ``None`` = the sampler's own default
+              (:data:`DEFAULT_ETA`: 0.3 for ``dance_sde``, else 0.9), so Python and YAML defaults agree.
     schedule: DDIM noise schedule: ``eta_s_sqrt1mt`` σ = η s √(1−t) (default) | ``eta_s`` σ = η s (B.2-a) |
               ``eta_t_sqrt1mt`` σ = η t √(1−t) (x̂1 coefficient clamped with sqrt(max(·, 0))).
     first_step_guard: DDIM only; inside √(1−t) replace t = 1 by ``t_guard`` (= τ_1) so step 0 is stochastic.
@@ -118,7 +149,7 @@ class SamplerConfig:
 
     name: str = "ddim_sde"
     a: float = 0.7
-    eta: float = 0.9
+    eta: float | None = None
     schedule: str = "eta_s_sqrt1mt"
     first_step_guard: bool = False
     logprob: str | None = None
@@ -128,13 +159,18 @@ class SamplerConfig:
             raise ValueError(f"name: must be one of {SAMPLERS}, got {self.name!r}")
         if self.logprob is None:
             self.logprob = DEFAULT_LOGPROB[self.name]
+        if self.eta is None:
+            self.eta = DEFAULT_ETA.get(self.name, _ETA)
         if self.schedule not in DDIM_SCHEDULES:
             raise ValueError(f"schedule: must be one of {DDIM_SCHEDULES}, got {self.schedule!r}")
         if self.logprob not in LOGPROBS:
             raise ValueError(f"logprob: must be one of {LOGPROBS}, got {self.logprob!r}")
         if not (isinstance(self.a, (int, float)) and math.isfinite(self.a) and self.a >= 0):
             raise ValueError(f"a: must be a finite float >= 0, got {self.a!r}")
-        if not (isinstance(self.eta, (int, float)) and 0.0 <= self.eta <= 1.0):
+        if self.name == "dance_sde":
+            if not (isinstance(self.eta, (int, float)) and math.isfinite(self.eta) and self.eta >= 0):
+                raise ValueError(f"eta: must be a finite float >= 0 for dance_sde, got {self.eta!r}")
+        elif not (isinstance(self.eta, (int, float)) and 0.0 <= self.eta <= 1.0):
             raise ValueError(f"eta: must be a float in [0, 1], got {self.eta!r}")
         if not isinstance(self.first_step_guard, bool):
             raise ValueError(f"first_step_guard: must be a bool, got {self.first_step_guard!r}")
@@ -245,13 +281,16 @@ def step_std(cfg: SamplerConfig, t, t_next, t_guard=None) -> Tensor:
     """Per-step std of ``cfg``'s sampler from ``t`` to ``t_next`` (method.md §2, §3.3 table).
 
     t, t_next: floats, 0-d or (B,) tensors.  Returns an fp32 tensor of their broadcast shape.
-    flow_sde: ``σ_d·sqrt(Δt)``; ddim_sde: σ of ``cfg.schedule``; cps: ``s·sin(η π/2)``; ode, dpm2: 0.
+    flow_sde: ``σ_d·sqrt(Δt)``; dance_sde: ``η·sqrt(Δt)``; ddim_sde: σ of ``cfg.schedule``; cps: ``s·sin(η π/2)``;
+    ode, dpm2: 0.
     """
     t = _as_time(t, None)
     s = _as_time(t_next, None)
     t, s = torch.broadcast_tensors(t, s)
     if cfg.name == "flow_sde":
         return _flow_sigma_d(t, cfg.a, t_guard) * torch.sqrt(t - s)
+    if cfg.name == "dance_sde":
+        return cfg.eta * torch.sqrt(t - s)
     if cfg.name == "ddim_sde":
         return _ddim_sigma(t, s, cfg.eta, cfg.schedule, cfg.first_step_guard, t_guard)
     if cfg.name == "cps":
@@ -280,6 +319,29 @@ def flow_sde_step(x: Tensor, v: Tensor, t, t_next, *, a: float = 0.7, t_guard=No
     mean = x - _bcast(dt, x) * drift
     std = sigma_d * torch.sqrt(dt)
     return _finish(x, mean, std, sigma_d, noise=noise, prev_sample=prev_sample, generator=generator, logprob=logprob)
+
+
+def dance_sde_step(x: Tensor, v: Tensor, t, t_next, *, eta: float = 0.3, noise: Tensor | None = None,
+                   prev_sample: Tensor | None = None, generator: torch.Generator | None = None,
+                   logprob: str = "gaussian") -> StepOut:
+    """DanceGRPO's Euler–Maruyama step with a constant diffusion coefficient η (method.md §2.1).
+
+    As released (XueZeyue/DanceGRPO@15cc71d fastvideo/train_grpo_flux.py ``flux_step`` L131-168, ``sde_solver=True``;
+    the Qwen-Image, Hunyuan and Wan scripts carry the same step): with ``dσ = t_next − t = −Δt``,
+    ``x̂0 = x − t·v``, score ``s = −(x − (1 − t)·x̂0)/t²``, ``μ = x + dσ·v + dσ·(−½η²·s)``, ``std = η·sqrt(Δt)``.
+    Since ``x − (1 − t)·x̂0 = t·(x + (1 − t)·v)`` this is ``μ = x − Δt·[v + η²/(2t)·(x + (1 − t)·v)]``, the Flow-GRPO
+    mean (§2) with ``σ_d`` replaced by the constant η. t = 1 needs no guard (it divides by t, not 1 − t); t = 0 is
+    never a step's start. The log-prob is the per-dim-mean Gaussian (the released one, constants kept).
+    x, v: (B, ...); t, t_next: float / 0-d / (B,).  ``kl_scale = η`` (the diffusion coefficient without √Δt, as
+    flow_sde's σ_d: ``kl_mode=flow_grpo_parity`` is then the exact KL × Δt for both).
+    """
+    x, v, t, s = _prep(x, v, t, t_next)
+    dt = t - s
+    drift = v + _bcast((eta * eta) / (2.0 * t), x) * (x + _bcast(1.0 - t, x) * v)
+    mean = x - _bcast(dt, x) * drift
+    std = eta * torch.sqrt(dt)
+    return _finish(x, mean, std, torch.full_like(t, float(eta)), noise=noise, prev_sample=prev_sample,
+                   generator=generator, logprob=logprob)
 
 
 def _xhat_step(x: Tensor, v: Tensor, t: Tensor, s: Tensor, sigma: Tensor) -> Tensor:
@@ -345,6 +407,8 @@ def sde_step(cfg: SamplerConfig, x: Tensor, v: Tensor, t, t_next, *, t_guard=Non
     common = dict(noise=noise, prev_sample=prev_sample, generator=generator, logprob=cfg.logprob)
     if cfg.name == "flow_sde":
         return flow_sde_step(x, v, t, t_next, a=cfg.a, t_guard=t_guard, **common)
+    if cfg.name == "dance_sde":
+        return dance_sde_step(x, v, t, t_next, eta=cfg.eta, **common)
     if cfg.name == "ddim_sde":
         return ddim_sde_step(x, v, t, t_next, eta=cfg.eta, schedule=cfg.schedule,
                              first_step_guard=cfg.first_step_guard, t_guard=t_guard, **common)

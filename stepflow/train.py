@@ -124,7 +124,8 @@ def check_trains_something(train: TrainConfig, sampler, window, num_steps: int, 
             "train.train_steps")
     if isinstance(steps, list):
         return  # check_train_steps names the listed steps
-    field = {"ddim_sde": "sampler.eta", "flow_sde": "sampler.a", "cps": "sampler.eta"}.get(sampler.name, "sampler")
+    field = {"ddim_sde": "sampler.eta", "flow_sde": "sampler.a", "cps": "sampler.eta",
+             "dance_sde": "sampler.eta"}.get(sampler.name, "sampler")
     if train.timestep_fraction < 1:
         field = "train.timestep_fraction"
     raise StepflowError(f"{field}: no step of the {num_steps}-step grid carries noise ({chosen} under "
@@ -173,7 +174,38 @@ def settings(cfg: DictConfig) -> Settings:
     check_objective(s)
     check_train_steps(train, s.sampler, loop.num_steps, s.objective.name == "grpo")
     check_trains_something(train, s.sampler, s.window, loop.num_steps, s.objective.name == "grpo")
+    check_step_subset(s)
     return s
+
+
+def check_step_subset(s: Settings) -> None:
+    """One-line errors for ``train.step_subset=random_per_sample`` (DanceGRPO's per-sample subset of the trained
+    steps) where it cannot apply: an objective other than grpo (it subsets the rollout's SDE transitions), a step
+    weighting that combines whole per-step gradients (grad_rms, auto), and ``train.step_fraction`` so small that
+    ``int(S·step_fraction)`` of the S trained steps is 0 (no sample would train a step)."""
+    from stepflow.algorithm import steps_per_sample
+    from stepflow.objectives.base import trainable_steps
+    from stepflow.sde import time_grid
+    from stepflow.window import window_steps
+
+    train = s.train
+    if train.step_subset is None:
+        return
+    if s.objective.name != "grpo":
+        raise StepflowError(f"train.step_subset={train.step_subset}: draws each sample's trained SDE steps, which "
+                            f"objective={s.objective.name} does not train; use objective=grpo or train.step_subset=null")
+    if train.weighting in ("grad_rms", "auto"):
+        raise StepflowError(f"train.step_subset={train.step_subset}: each sample trains its own steps, which "
+                            f"train.weighting={train.weighting} (whole per-step gradients) cannot combine; use "
+                            "train.weighting=none (or noise, gain_var, guard)")
+    if s.sampler.name in ("ode", "dpm2"):
+        return  # nothing is trained anyway (check_trains_something warned)
+    steps = s.loop.num_steps
+    window = None if s.window.kind == "none" else window_steps(s.window, 0, steps, 0)
+    cand = trainable_steps(train, s.sampler, time_grid(steps, shift=1.0), True, window)
+    if cand and steps_per_sample(len(cand), train.step_fraction) == 0:
+        raise StepflowError(f"train.step_fraction: int({len(cand)} trained steps x {train.step_fraction}) = 0, so no "
+                            f"sample would train a step; raise train.step_fraction to at least 1/{len(cand)}")
 
 
 def check_objective(s: Settings) -> None:
