@@ -13,7 +13,8 @@ import torch
 from torch import Tensor
 
 __all__ = ["grpo_surrogate", "gaussian_kl", "LossOut", "policy_loss", "distill_loss", "KL_MODES", "DISTILL_WEIGHTS",
-           "WEIGHTINGS", "noise_weights", "gain_variance_weights", "rms_weights", "guard_log_ratio"]
+           "WEIGHTINGS", "noise_weights", "gain_variance_weights", "rms_weights", "guard_log_ratio",
+           "guard_released_scale"]
 
 KL_MODES = ("exact", "flow_grpo_parity")
 DISTILL_WEIGHTS = ("relu", "signed", "exp")
@@ -91,13 +92,16 @@ class LossOut:
 
 def policy_loss(log_prob: Tensor, old_log_prob: Tensor, adv: Tensor, *, clip_eps: float, mean: Tensor | None = None,
                 ref_mean: Tensor | None = None, std: Tensor | None = None, kl_scale: Tensor | None = None,
-                beta: float = 0.0, kl_mode: str = "exact", mask: Tensor | None = None) -> LossOut:
+                beta: float = 0.0, kl_mode: str = "exact", mask: Tensor | None = None,
+                policy_scale: Tensor | float | None = None) -> LossOut:
     """One step's GRPO loss (paper Eq. 3): ``surrogate + β·mean_i KL_i`` (method.md §5).
 
     log_prob, old_log_prob, adv: (B,); mean, ref_mean: (B, ...) policy / reference Gaussian means; std, kl_scale:
     (B,) from :class:`stepflow.sde.StepOut`.  ``kl_mode="exact"`` divides by 2·std², ``"flow_grpo_parity"`` by
     2·kl_scale² (Flow-GRPO's value; = exact × Δt for flow_sde).  The KL is computed (and logged) whenever the
     means are given; it is required when ``beta > 0``.  mask: optional (B,) bool rows to average over.
+    ``policy_scale``: a factor on the surrogate only, ``scale·surrogate + β·KL`` (GRPO-Guard's gradient reweight
+    ``1/Δt``, :func:`guard_released_scale`); the logged ``policy_loss`` is the scaled one, as released.  None: 1.
     """
     if kl_mode not in KL_MODES:
         raise ValueError(f"kl_mode: must be one of {KL_MODES}, got {kl_mode!r}")
@@ -113,6 +117,8 @@ def policy_loss(log_prob: Tensor, old_log_prob: Tensor, adv: Tensor, *, clip_eps
         kl = _masked_mean(gaussian_kl(mean, ref_mean, scale), mask)
     else:
         kl = surrogate.new_zeros(())
+    if policy_scale is not None:
+        surrogate = surrogate * policy_scale
     loss = surrogate + beta * kl if beta > 0 else surrogate
     return LossOut(loss=loss, policy_loss=surrogate.detach(), kl=kl.detach(), clip_frac=st["clip_frac"],
                    ratio_mean=st["ratio_mean"], ratio_min=st["ratio_min"], ratio_max=st["ratio_max"])
@@ -146,7 +152,7 @@ def distill_loss(x0_student: Tensor, x0_target: Tensor, adv: Tensor, weight: str
 # ----------------------------------------------------------------------------------------------------------------
 # per-step weighting of the loss (docs/method.md §9; train.weighting)
 # ----------------------------------------------------------------------------------------------------------------
-WEIGHTINGS = ("none", "noise", "guard", "grad_rms", "gain_var", "auto")
+WEIGHTINGS = ("none", "noise", "guard", "guard_released", "grad_rms", "gain_var", "auto")
 
 
 def noise_weights(stds: Tensor) -> Tensor:
@@ -184,3 +190,21 @@ def guard_log_ratio(x_next: Tensor, mean: Tensor, old_mean: Tensor, std: Tensor)
     eps = (x_next.detach() - old_mean.detach()) / safe
     lr = (eps * (mean - old_mean.detach())).reshape(mean.shape[0], -1).mean(dim=1)
     return torch.where(live, lr, torch.zeros_like(lr))
+
+
+def guard_released_scale(t, t_next) -> Tensor:
+    """GRPO-Guard's gradient reweight as released: the step's policy loss divided by ``sqrt_dt.mean()**2 = Δt``
+    (yifan123/flow_grpo PR #175, ``scripts/train_sd3_GRPO_Guard.py`` L931-932, ``policy_loss = policy_loss /
+    (sqrt_dt.mean()**2)``, with ``sqrt_dt = sqrt(−dt)`` from ``sde_step_with_logprob(..., return_sqrt_dt=True)``,
+    ``flow_grpo/diffusers_patch/sd3_sde_with_logprob.py`` L47, L91-92). The released rows of a step share its time,
+    so the batch mean is the step's ``Δt = t − t_next``. t, t_next: floats or 0-d tensors -> 0-d fp32 ``1/Δt``.
+
+    With the normalised ratio ρ̃ = exp(mean(ε ⊙ (μ_θ − μ_old))) (:func:`guard_log_ratio`) and the Flow-SDE mean
+    ``μ = x − Δt·[v + σ_d²/(2t)·(x + (1 − t)·v)]``, ``∂ρ̃/∂v = −Δt·(1 + σ_d²(1 − t)/(2t))·ε/D`` at ρ̃ = 1: the factor
+    cancels the Δt of the mean, so every step's gradient w.r.t. its velocity has the same scale (the released
+    "Gradient Reweight"); on a shift-3 SD3 grid of 10 steps it weighs step 0 (Δt = .040) 25× and step 8 (Δt = .269)
+    3.7×, so relative to step 8 step 0's weight grows 6.7×. On a grid of equal steps it is a constant factor."""
+    dt = torch.as_tensor(t, dtype=torch.float32) - torch.as_tensor(t_next, dtype=torch.float32)
+    if dt.ndim != 0:
+        raise ValueError(f"t, t_next: the step's times must be scalars (one grid step), got shape {tuple(dt.shape)}")
+    return 1.0 / dt  # the grid is strictly decreasing (policies.base.check_time_grid): Δt > 0, no host sync here

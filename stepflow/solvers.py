@@ -1,4 +1,5 @@
-"""Deterministic multistep solvers on x̂0-predictions: DiffusionNFT's ``dpm2`` rollout sampler.
+"""Deterministic multistep solvers on x̂0-predictions: DiffusionNFT's ``dpm2`` rollout sampler, and MixGRPO-Flash's
+post-window DPM-Solver++(2M) tail on a compressed grid (:func:`flash_grid`, :func:`flash_tail`; end of the module).
 
 A transcription of NVlabs/DiffusionNFT (commit 24af555) ``flow_grpo/diffusers_patch/solver.py``,
 ``run_sampling(..., solver="dpm2", determistic=True)`` (its ``dpm_step``, ``convert_model_output``, ``ddim_update``
@@ -29,6 +30,9 @@ DPM-Solver++ step (= DDIM η = 0) there, and so does this one (same IEEE arithme
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
+
 import torch
 from torch import Tensor
 
@@ -44,6 +48,10 @@ __all__ = [
     "dpm2_second_order_update",
     "dpm2_update",
     "dpm2_step",
+    "flash_num_post",
+    "flash_grid",
+    "flash_orders",
+    "flash_tail",
 ]
 
 #: solver orders implemented (the released code asserts False for a third order)
@@ -167,3 +175,88 @@ def dpm2_step(x: Tensor, v: Tensor, t, t_next, *, order: int, x0_prev: Tensor | 
     nxt = dpm2_update(x, x0_from_v(x, v, t), x0_prev, t_prev, t, t_next, order)
     zero = torch.zeros_like(_as_time(t, x.shape[0], x.device))
     return StepOut(next=nxt, mean=nxt, std=zero, log_prob=zero.clone(), trainable=zero > 0, kl_scale=zero.clone())
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# MixGRPO-Flash: the ODE after the SDE window by DPM-Solver++(2M) on fewer steps (Tencent-Hunyuan/MixGRPO@e5cdd6a)
+# ----------------------------------------------------------------------------------------------------------------
+def flash_num_post(num_steps: int, last_sde: int, compress_ratio: float) -> int:
+    """Grid points of the compressed tail after the window: ``int(max((N − last_sde)·compress_ratio, 1))``
+    (fastvideo/utils/sampling_utils.py L44; ``sigma_schedule.size(0) − 1 = N``). The tail then has
+    ``num_post − 1`` steps instead of the ``N − 1 − last_sde`` steps of the uncompressed grid (released Flash,
+    ratio 0.4, N = 25, window [0..3]: 8 points, 7 steps instead of 21). ``num_post = 1`` gives **no** tail step: the
+    rollout stops at ``σ_{last_sde+1} > 0`` (a grid that does not reach 0; released: every window ending at 22 of
+    25 steps, and any ``(N − last_sde)·ratio < 2``)."""
+    if int(num_steps) != num_steps or num_steps < 1:
+        raise ValueError(f"num_steps: must be a positive integer, got {num_steps!r}")
+    if int(last_sde) != last_sde or not 0 <= last_sde < num_steps:
+        raise ValueError(f"last_sde: must be a step index in 0..{num_steps - 1}, got {last_sde!r}")
+    if not (isinstance(compress_ratio, (int, float)) and math.isfinite(compress_ratio) and compress_ratio > 0):
+        raise ValueError(f"compress_ratio: must be a finite float > 0, got {compress_ratio!r}")
+    return int(max((num_steps - last_sde) * compress_ratio, 1))
+
+
+def flash_grid(grid: Tensor, last_sde: int, compress_ratio: float, shift: float) -> Tensor:
+    """The rollout grid of MixGRPO-Flash (``dpm_apply_strategy="post"``; sampling_utils.py L41-54):
+    ``grid[: last_sde + 1] ++ shift(linspace(u, 0, num_post))`` with :func:`flash_num_post` points and
+    ``shift(u) = s·u/(1 + (s − 1)·u)`` (``sd3_time_shift``, L9-10). Released: ``u = linspace(1, 0, N + 1)[last_sde +
+    1]``, the *unshifted* grid value, so that the tail starts at the grid's own ``σ_{last_sde+1}``; here
+    ``u = shift⁻¹(grid[last_sde + 1]) = σ/(s − (s − 1)·σ)`` (fp64), which is the same number on the FastVideo grid
+    (``sd3_time_shift(s, linspace(1, 0, N + 1))``, the released one) and keeps the tail starting at the state's time on
+    any other grid (diffusers' σ_min grid, FLUX's, whose exponential shift is this one with ``s = e^μ``); its first
+    point is set to ``grid[last_sde + 1]`` exactly. The pre-window steps and the window keep the original grid.
+
+    grid: (N+1,) from 1 to 0; ``shift``: the grid's shift (``--shift``, 3 in every released script). Returns
+    ``(last_sde + 1 + num_post,)`` fp32: ``last_sde + num_post`` steps, the last ``num_post − 1`` of them the tail.
+    """
+    if grid.ndim != 1 or grid.shape[0] < 2:
+        raise ValueError(f"grid: expected a (N+1,) time grid, got shape {tuple(grid.shape)}")
+    if not (isinstance(shift, (int, float)) and math.isfinite(shift) and shift > 0):
+        raise ValueError(f"shift: must be a finite float > 0, got {shift!r}")
+    n = grid.shape[0] - 1
+    num_post = flash_num_post(n, last_sde, compress_ratio)
+    sig = float(grid[last_sde + 1])
+    u = sig / (shift - (shift - 1.0) * sig)
+    post = torch.linspace(u, 0.0, num_post, dtype=torch.float32)
+    post = (shift * post) / (1 + (shift - 1) * post)
+    post[0] = grid[last_sde + 1]
+    return torch.cat([grid[: last_sde + 1].to(torch.float32).cpu(), post]).to(grid.device)
+
+
+def flash_orders(num_tail_steps: int) -> list[int]:
+    """The order of each tail step (released ``dpm_step``, sampling_utils.py L307-347, with the window's history in
+    ``dpm_state``): every step before the tail pushed its x̂0 (L116-117, ``dpm_state.update(x_0)``) and raised
+    ``lower_order_nums`` (L127), so the first tail step is already second order, using the x̂0 of the window's last
+    step; the tail's last step is first order (``lower_order_final``: it ends at σ = 0, where the second-order update
+    divides by ``r0 = 0``). ``lower_order_second`` only demotes a third-order solver. E.g. 7 steps:
+    ``[2, 2, 2, 2, 2, 2, 1]``."""
+    if int(num_tail_steps) != num_tail_steps or num_tail_steps < 0:
+        raise ValueError(f"num_tail_steps: must be an integer >= 0, got {num_tail_steps!r}")
+    return [2] * max(num_tail_steps - 1, 0) + [1] * min(num_tail_steps, 1)
+
+
+def flash_tail(x: Tensor, tail: Tensor, velocity: Callable[[Tensor, Tensor], Tensor], x0_prev: Tensor,
+               t_prev) -> tuple[Tensor, list[Tensor], list[Tensor]]:
+    """MixGRPO-Flash's deterministic DPM-Solver++(2M) (midpoint) tail (sampling_utils.py L134-144 with L307-385,
+    ``sde_solver=False``): from the state ``x`` at ``tail[0]`` (the state after the window's last step) over the tail
+    grid ``tail`` (``flash_grid(...)[last_sde + 1:]``), step j of order ``flash_orders(len(tail) − 1)[j]``
+    (:func:`dpm2_update`: second order is the released ``multistep_dpm_solver_second_order_update`` midpoint branch
+    L515-520, first order its ``dpm_solver_first_order_update`` L436, = DDIM η = 0).
+
+    velocity(x, t) -> v: the model at state x, time t (0-d tensor); x0_prev: (B, ...) the x̂0 of the window's last
+    state, predicted at ``t_prev`` (the grid time of that state). Returns (final state fp32, the tail's states after
+    x, the velocities evaluated) — ``len(tail) − 1`` of each; with ``len(tail) == 1`` nothing is evaluated and ``x``
+    is returned as the final state (the released ``num_post = 1`` corner).
+    """
+    x = x.float()
+    states, vels = [], []
+    orders = flash_orders(tail.shape[0] - 1)
+    for j, order in enumerate(orders):
+        t, t_next = tail[j], tail[j + 1]
+        v = velocity(x, t).float()
+        x0 = x0_from_v(x, v, t)
+        x = dpm2_update(x, x0, x0_prev, t_prev, t, t_next, order)
+        x0_prev, t_prev = x0, t
+        states.append(x)
+        vels.append(v)
+    return x, states, vels

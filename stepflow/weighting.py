@@ -5,6 +5,11 @@ none       every trained step's term weighs 1 (the mean over the steps)
 noise      TempFlow-GRPO's noise-aware weights ``w_k = σ_k / mean_j σ_j`` over the trained steps (σ the step's std)
 gain_var   ``w_k ∝ Var_i G_k``, the variance of step k's gains over every rank's rows
 guard      GRPO-Guard's noise-normalised log-ratio in place of ``log π_θ − log π_old`` (:func:`~stepflow.loss.guard_log_ratio`)
+           only (RatioNorm, as Flow-Factory implements it; the measured docs/results.md runs used it)
+guard_released
+           GRPO-Guard as released (yifan123/flow_grpo PR #175, scripts/train_sd3_GRPO_Guard.py L915-932): the same
+           normalised ratio, and each step's policy loss divided by its ``Δt``
+           (:func:`~stepflow.loss.guard_released_scale`)
 grad_rms   each step's gradient computed alone and scaled to the RMS of their norms
 auto       each step's gradient computed alone and weighted by its measured signal fraction
            (:class:`~stepflow.coherence.StepSignal`; steps of weight 0 are computed every ``train.auto_every``
@@ -22,7 +27,7 @@ from collections.abc import Sequence
 from torch import Tensor
 
 from stepflow.coherence import StepSignal
-from stepflow.loss import WEIGHTINGS, gain_variance_weights, noise_weights
+from stepflow.loss import WEIGHTINGS, gain_variance_weights, guard_released_scale, noise_weights
 from stepflow.sde import SamplerConfig, step_std
 
 __all__ = ["Weighting", "build_weighting"]
@@ -44,6 +49,11 @@ class Weighting:
     def measures(self, it: int) -> bool:
         """Iteration ``it`` also computes (and measures) the steps whose weight is 0 (``auto``)."""
         return False
+
+    def policy_scale(self, t, t_next) -> Tensor | None:
+        """A factor on the GRPO policy loss of the step from ``t`` to ``t_next`` (0-d tensors), applied before the KL
+        term is added (``guard_released``: ``1/Δt``); None = 1."""
+        return None
 
     def state_dict(self) -> dict | None:
         return None
@@ -75,6 +85,32 @@ class _Guard(Weighting):
     name, guard = "guard", True
 
 
+class _GuardReleased(_Guard):
+    """GRPO-Guard's released loss (``config.rationorm = True``; yifan123/flow_grpo PR #175,
+    scripts/train_sd3_GRPO_Guard.py L915-939, ``log π`` from sde_step_with_logprob L42-68 of
+    flow_grpo/diffusers_patch/sd3_sde_with_logprob.py):
+
+        s      = std_dev_t.mean() · sqrt_dt.mean()                          L916, L918-919  (σ_t·√Δt: the step's std)
+        b      = (μ_θ − μ_old)².mean(dim=tuple(range(1, log_prob.ndim))) / (2 s²)   L917-918
+        ρ̃      = exp( (log π_θ − log π_old + b) · s )                        L919
+        L_step = mean_i max(−A_i ρ̃_i, −A_i clip(ρ̃_i, 1 ± ε)) / sqrt_dt.mean()²   L923-932  (÷ Δt)
+        loss   = L_step + β·KL                                               L934-939  (β = 0 in the released configs)
+
+    Here ρ̃_i = exp(mean_dims(ε_i ⊙ (μ_θ,i − μ_old,i))), ε = (x_{k+1} − μ_old)/s
+    (:func:`~stepflow.loss.guard_log_ratio`, as ``guard``), and the ``÷ Δt`` is :meth:`policy_scale`. One deviation:
+    ``log_prob`` is already (B,) there, so ``range(1, 1)`` is empty and ``mean(dim=())`` averages over **every**
+    dimension, the batch included: the released b is the training batch's mean ``b̄``, not each row's ``b_i``, i.e.
+    ``log ρ̃_i(released) = log ρ̃_i(here) + (b̄ − b_i)·s``. The two agree on a batch's first (on-policy) optimizer step
+    (μ_θ = μ_old), for one-row batches and whenever the rows' ``mean_dims (μ_θ − μ_old)²`` are equal; elsewhere they
+    differ at second order in the policy change. stepflow keeps the per-row bias (the per-sample formula, league.md
+    §8, whose value does not depend on how the rows are batched)."""
+
+    name = "guard_released"
+
+    def policy_scale(self, t, t_next) -> Tensor:
+        return guard_released_scale(t, t_next)
+
+
 class _GradRms(Weighting):
     name, per_step = "grad_rms", True
 
@@ -103,4 +139,5 @@ def build_weighting(name: str, candidates: Sequence[int] = (), warmup: int = 3, 
         raise ValueError(f"train.weighting: must be one of {', '.join(WEIGHTINGS)}, got {name!r}")
     if name == "auto":
         return _Auto(candidates, warmup, every)
-    return {"none": Weighting, "noise": _Noise, "gain_var": _GainVar, "guard": _Guard, "grad_rms": _GradRms}[name]()
+    return {"none": Weighting, "noise": _Noise, "gain_var": _GainVar, "guard": _Guard, "guard_released": _GuardReleased,
+            "grad_rms": _GradRms}[name]()

@@ -5,9 +5,13 @@ A window is a pure function of the iteration (and the seed), so a resumed run dr
 
 - ``none``: every step follows the sampler (the paper);
 - ``fixed``: steps ``[start, start + size)`` (Flow-GRPO-Fast's window);
-- ``sliding``: MixGRPO's progressive window of ``size`` steps, moved by ``stride`` every ``every`` iterations from
-  ``start`` up to the last position (``T − size``), then held there;
-- ``random``: ``size`` steps drawn anew every iteration from ``[start, T)`` (DanceGRPO's random subset of timesteps).
+- ``sliding``: a simplified MixGRPO progressive window of ``size`` steps, moved by ``stride`` every ``every``
+  iterations from ``start`` up to the last position (``T − size``), then held there (stepflow's, kept as measured);
+- ``random``: ``size`` steps drawn anew every iteration from ``[start, T)``, the same for every sample (Flow-GRPO-Fast /
+  MixGRPO-random semantics; not DanceGRPO's subset, which trains a per-sample subset of all-SDE rollouts, league.md §0);
+- ``mixgrpo``: MixGRPO's progressive window as released (:func:`mixgrpo_window`): ``range(cur, min(cur + size, T − 2))``
+  with ``cur`` moved by ``stride`` every ``every`` iterations; the window shrinks at the end of the grid and is empty
+  at ``cur = T − 2``, after which it rolls back to ``start`` (``roll_back``) or stays empty.
 
 Steps outside the window carry no log-prob and are never trained; the x̂0 estimates and rewards of their states are
 still computed where the credit scheme reads them.
@@ -19,36 +23,46 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["WindowConfig", "window_steps", "WINDOWS"]
+__all__ = ["WindowConfig", "window_steps", "mixgrpo_window", "mixgrpo_position", "WINDOWS"]
 
-WINDOWS = ("none", "fixed", "sliding", "random")
+WINDOWS = ("none", "fixed", "sliding", "random", "mixgrpo")
 
 
 @dataclass
 class WindowConfig:
     """The SDE window (see the module docstring)."""
 
-    kind: str = "none"  #: none | fixed | sliding | random
-    start: int = 0  #: first step of the window (sliding: its first position; random: the lowest step drawn)
+    kind: str = "none"  #: none | fixed | sliding | random | mixgrpo
+    #: first step of the window (sliding, mixgrpo: its first position; random: the lowest step drawn)
+    start: int = 0
     size: int = 3  #: steps in the window
-    stride: int = 1  #: sliding: steps moved at each shift
-    every: int = 10  #: sliding: iterations between shifts
+    stride: int = 1  #: sliding, mixgrpo: steps moved at each shift (mixgrpo: 0 = a frozen window, MixGRPO-Flash*)
+    every: int = 10  #: sliding, mixgrpo: iterations between shifts
+    #: mixgrpo: past the last position (T − 2) the window restarts at ``start`` (MixGRPO's ``--roll_back``, which every
+    #: released script passes); false: it stays at T − 2, where it is empty, for the rest of the run
+    roll_back: bool = False
 
     def __post_init__(self) -> None:
         if self.kind not in WINDOWS:
             raise ValueError(f"kind: must be one of {', '.join(WINDOWS)}, got {self.kind!r}")
         for name in ("size", "stride", "every"):
             v = getattr(self, name)
-            if not (isinstance(v, int) and v >= 1):
-                raise ValueError(f"{name}: must be an integer >= 1, got {v!r}")
+            low = 0 if name == "stride" and self.kind == "mixgrpo" else 1
+            if not (isinstance(v, int) and v >= low):
+                raise ValueError(f"{name}: must be an integer >= {low}, got {v!r}")
         if not (isinstance(self.start, int) and self.start >= 0):
             raise ValueError(f"start: must be an integer >= 0, got {self.start!r}")
+        if not isinstance(self.roll_back, bool):
+            raise ValueError(f"roll_back: must be true or false, got {self.roll_back!r}")
 
 
 def window_steps(cfg: WindowConfig, iteration: int, num_steps: int, seed: int = 0) -> list[int] | None:
-    """The stochastic steps of ``iteration`` on a ``num_steps``-step grid, sorted; None = every step (``none``)."""
+    """The stochastic steps of ``iteration`` on a ``num_steps``-step grid, sorted; None = every step (``none``);
+    ``mixgrpo`` may give ``[]`` (every step follows the ODE and nothing is trained)."""
     if cfg.kind == "none":
         return None
+    if cfg.kind == "mixgrpo":
+        return mixgrpo_window(cfg, iteration, num_steps)
     if cfg.start + (cfg.size if cfg.kind != "random" else 1) > num_steps or cfg.size > num_steps - cfg.start:
         raise ValueError(f"window.size: start {cfg.start} + size {cfg.size} do not fit a {num_steps}-step grid "
                          f"(loop.num_steps); lower window.start or window.size")
@@ -60,3 +74,56 @@ def window_steps(cfg: WindowConfig, iteration: int, num_steps: int, seed: int = 
         rng = np.random.default_rng([seed, iteration, 7_771])
         return sorted(int(k) for k in rng.choice(np.arange(cfg.start, num_steps), size=cfg.size, replace=False))
     return list(range(lo, lo + cfg.size))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# MixGRPO's progressive window as released (Tencent-Hunyuan/MixGRPO@e5cdd6a)
+# ----------------------------------------------------------------------------------------------------------------
+def _mixgrpo_last(cfg: WindowConfig, num_steps: int) -> int:
+    """``max_timesteps = sampling_steps − 2`` (fastvideo/train_grpo_flux.py L919), checked against ``start``."""
+    last = num_steps - 2
+    if not 0 <= cfg.start < last:
+        raise ValueError(f"window.start: the mixgrpo window runs over the steps start .. T - 3 (T = loop.num_steps = "
+                         f"{num_steps}; MixGRPO's max_timesteps = T - 2 is exclusive), so start must be in "
+                         f"0..{last - 1}, got {cfg.start}; lower window.start or raise loop.num_steps")
+    return last
+
+
+def mixgrpo_position(cfg: WindowConfig, iteration: int, num_steps: int) -> int:
+    """``cur_timestep`` of ``GRPOTrainingStates`` (fastvideo/utils/grpo_states.py) when iteration ``iteration``
+    (0-based) reads its window, in closed form.
+
+    Released (``sample_strategy="progressive"``, ``prog_overlap=True``; grpo_states.py L85-99, called at
+    train_grpo_flux.py L945-947 as ``get_current_timesteps()`` then ``update_iteration()``): every iteration
+    ``cur_iter_in_group += 1``; when it reaches ``iters_per_group`` (= ``every``) it is reset and ``cur_timestep +=
+    prog_overlap_step`` (= ``stride``); then, if ``cur_timestep > max_timesteps`` (M = T − 2), ``roll_back`` resets it
+    to the initial ``start`` (and the counter to 0), else clips it to M. Hence, with ``P = ⌊(M − start)/stride⌋ + 1``
+    positions per cycle (stride ≥ 1):
+
+        roll_back:     cur(i) = start + ⌊(i mod P·every) / every⌋ · stride
+        no roll_back:  cur(i) = min(start + ⌊i / every⌋ · stride, M)
+
+    and ``cur(i) = start`` for ``stride = 0`` (MixGRPO-Flash*: ``prog_overlap_step=0``, a frozen window).
+    """
+    if not (isinstance(iteration, int) and iteration >= 0):
+        raise ValueError(f"iteration: must be an integer >= 0, got {iteration!r}")
+    last = _mixgrpo_last(cfg, num_steps)
+    if cfg.stride == 0:
+        return cfg.start
+    if cfg.roll_back:
+        positions = (last - cfg.start) // cfg.stride + 1
+        return cfg.start + ((iteration % (positions * cfg.every)) // cfg.every) * cfg.stride
+    return min(cfg.start + (iteration // cfg.every) * cfg.stride, last)
+
+
+def mixgrpo_window(cfg: WindowConfig, iteration: int, num_steps: int) -> list[int]:
+    """MixGRPO's SDE (and trained) steps of ``iteration``: ``range(cur, min(cur + size, T − 2))`` with ``cur`` =
+    :func:`mixgrpo_position` (``get_current_timesteps``, fastvideo/utils/grpo_states.py L141-148; ``group_size`` =
+    ``size``). The end is exclusive, so the last step a window holds is T − 3 (released: 22 of 0..24 at 25 steps): near
+    the end the window shrinks (``[T − 4, T − 3]``, ``[T − 3]``) and at ``cur = T − 2`` it is **empty**; the released
+    rollout then samples every step with the Euler ODE (train_grpo_flux.py L236-240: ``determistic`` all True) and
+    the update's loop over the window is empty (L532-533), so nothing is trained (the optimizer step sees no
+    gradient). Example (T = 10, size 4, stride 1, every 25, roll_back): iterations 0-24 → [0, 1, 2, 3], 25-49 →
+    [1, 2, 3, 4], …, 125-149 → [5, 6, 7], 150-174 → [6, 7], 175-199 → [7], 200-224 → [], 225 → [0, 1, 2, 3] again."""
+    cur = mixgrpo_position(cfg, iteration, num_steps)
+    return list(range(cur, min(cur + cfg.size, num_steps - 2)))

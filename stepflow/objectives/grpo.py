@@ -16,7 +16,8 @@ __all__ = ["Grpo", "Distill"]
 
 class Grpo(Objective):
     """``mean_i max(−A ρ, −A clip(ρ, 1 ± ϵ)) + β·KL(π_θ ‖ π_ref)`` with ρ the likelihood ratio of the rollout's
-    X_{k+1} given X_k (docs/method.md §5); ``train.weighting=guard`` replaces log ρ by GRPO-Guard's normalised one."""
+    X_{k+1} given X_k (docs/method.md §5); ``train.weighting=guard`` replaces log ρ by GRPO-Guard's normalised one,
+    ``guard_released`` also divides the step's surrogate by its Δt (GRPO-Guard as released, docs/method.md §12.1)."""
 
     name = "grpo"
 
@@ -41,7 +42,8 @@ class Grpo(Objective):
                            prev_sample=x_next)
             lp, lp_old = guard_log_ratio(x_next, out.mean, old.mean, out.std), torch.zeros_like(lp_old)
         lo = policy_loss(lp, lp_old, a, clip_eps=o.clip_eps, mean=out.mean, ref_mean=ref_mean, std=out.std,
-                         kl_scale=out.kl_scale, beta=o.beta_kl, kl_mode=o.kl_mode)
+                         kl_scale=out.kl_scale, beta=o.beta_kl, kl_mode=o.kl_mode,
+                         policy_scale=learner.weighting.policy_scale(t, t_next))  # guard_released: 1/Δt
         return {"loss": lo.loss, "policy_loss": lo.policy_loss, "kl": lo.kl, "clip_frac": lo.clip_frac,
                 "ratio_mean": lo.ratio_mean, "ratio_min": lo.ratio_min, "ratio_max": lo.ratio_max,
                 "adv_abs": a.abs().mean().detach()}
