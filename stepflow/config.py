@@ -145,8 +145,9 @@ class TrainConfig:
     on_policy: bool = False  #: force one optimizer step per rollout (ratio = 1: the KL-regularised policy gradient)
     drop_zero_adv: bool = True  #: skip samples whose advantages are 0 at every step
     #: how the trained steps' terms are combined (stepflow.weighting): none | noise (TempFlow-GRPO, ∝ the step's noise
-    #: std) | guard (GRPO-Guard's noise-normalised ratio) | grad_rms (each step's gradient scaled to the RMS of their
-    #: norms) | gain_var (∝ the step's gain variance) | auto (∝ each step's measured gradient signal)
+    #: std) | guard (GRPO-Guard's noise-normalised ratio) | guard_released (GRPO-Guard as released: guard and each
+    #: step's policy loss / Δt) | grad_rms (each step's gradient scaled to the RMS of their norms) | gain_var (∝ the
+    #: step's gain variance) | auto (∝ each step's measured gradient signal)
     weighting: str = "none"
     #: weighting=auto: every step whose gradient is computed is measured; steps of weight 0 are computed (and
     #: measured again) every N iterations

@@ -152,17 +152,43 @@ def _flat(d, prefix: str = "") -> dict:
     return {prefix[:-1]: d}
 
 
+def _effective(container: dict) -> dict:
+    """The typed groups of a training config as their dataclasses resolve them: a field a later stepflow added is
+    its default, a null that resolves per option is its value (``sampler.eta`` null → the sampler's own η). A group
+    its dataclass no longer accepts stays as written (the comparison then names it)."""
+    import dataclasses
+
+    from stepflow.advantage import AdvantageConfig
+    from stepflow.config import LoopConfig, ObjectiveConfig, TrainConfig
+    from stepflow.sde import SamplerConfig
+    from stepflow.window import WindowConfig
+
+    if "loop" not in container and "train" not in container:  # not a training config (pretrain's): as written
+        return container
+    out = dict(container)
+    for key, cls in (("loop", LoopConfig), ("train", TrainConfig), ("sampler", SamplerConfig),
+                     ("advantage", AdvantageConfig), ("objective", ObjectiveConfig), ("window", WindowConfig)):
+        group = container.get(key, {})
+        if isinstance(group, dict):
+            try:
+                out[key] = dataclasses.asdict(cls(**group))
+            except (TypeError, ValueError):
+                pass
+    return out
+
+
 def check_resume(cfg: DictConfig, run_dir: Path, resumable: tuple[str, ...] | None = None) -> None:
     """A resume must keep the settings of ``<run_dir>/config.yaml`` except those in ``resumable`` (prefixes; default
     :data:`RESUMABLE`); the original config.yaml is never rewritten. The resumed settings go to
-    ``config.resume.yaml``."""
+    ``config.resume.yaml``. Settings are compared as the typed groups resolve them, so a run written before a field
+    existed resumes when the field keeps its default (:func:`_effective`)."""
     if resumable is None:
         resumable = RESUMABLE
     saved = Path(run_dir) / "config.yaml"
     new = OmegaConf.to_container(cfg, resolve=True)
     if saved.is_file():
-        old = _flat(OmegaConf.to_container(OmegaConf.load(saved), resolve=True))
-        cur = _flat(new)
+        old = _flat(_effective(OmegaConf.to_container(OmegaConf.load(saved), resolve=True)))
+        cur = _flat(_effective(new))
         changed = [k for k in sorted(set(old) | set(cur)) if old.get(k, "<unset>") != cur.get(k, "<unset>")
                    and not any(k == r or (r.endswith(".") and k.startswith(r)) for r in resumable)]
         if changed:

@@ -71,11 +71,14 @@ def check_train_steps(train: TrainConfig, sampler, num_steps: int, density: bool
 
 def window_union(window, num_steps: int) -> list[int] | None:
     """Every step the SDE ``window`` can hold over a run (None: no window): ``fixed`` its steps, ``sliding`` and
-    ``random`` every step from ``start`` on (the sliding window moves up to the last position and holds there)."""
+    ``random`` every step from ``start`` on (the sliding window moves up to the last position and holds there),
+    ``mixgrpo`` the steps before T − 2."""
     if window.kind == "none":
         return None
     if window.kind == "fixed":
         return list(range(window.start, window.start + window.size))
+    if window.kind == "mixgrpo":  # MixGRPO's window ends before the grid's last two points (its end is exclusive)
+        return list(range(window.start, num_steps - 2))
     return list(range(window.start, num_steps))
 
 

@@ -255,6 +255,32 @@ def test_a_resume_with_other_settings_keeps_the_original_config(tmp_path):
     assert "iterations: 2" in (tmp_path / "config.resume.yaml").read_text()
 
 
+def test_a_run_written_before_a_field_existed_resumes(tmp_path):
+    """A run whose config.yaml predates fields added since (the objective group, window.roll_back, loop.time_grid)
+    and spells a per-sampler default out (sampler.eta 0.9 where it is now null) resumes: settings compare as their
+    typed groups resolve them. A setting that really changed is still refused."""
+    import yaml
+
+    from stepflow.train import run
+
+    run(compose_config("train", ["experiment=smoke", "loop.iterations=1"]), tmp_path)
+    saved = yaml.safe_load((tmp_path / "config.yaml").read_text())
+    saved.pop("objective")
+    saved["window"].pop("roll_back")
+    saved["loop"].pop("time_grid")
+    saved["sampler"]["eta"] = 0.9
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(saved))
+    ckpt = tmp_path / "checkpoints" / "last.ckpt"
+    with pytest.raises(StepflowError, match=r"changes sampler\.eta"):
+        run(compose_config("train", ["experiment=smoke", "loop.iterations=2", "sampler.eta=0.5", f"ckpt_path={ckpt}"]),
+            tmp_path)
+    with pytest.raises(StepflowError, match=r"changes objective\.name"):
+        run(compose_config("train", ["experiment=smoke", "loop.iterations=2", "objective=nft", f"ckpt_path={ckpt}"]),
+            tmp_path)
+    module = run(compose_config("train", ["experiment=smoke", "loop.iterations=2", f"ckpt_path={ckpt}"]), tmp_path)
+    assert module.iteration == 2
+
+
 def test_a_full_disk_is_one_line_and_leaves_no_temporary_file(tmp_path):
     from stepflow.checkpoint import atomic_write
     from stepflow.loggers import MetricsCSVLogger
