@@ -229,6 +229,10 @@ class AdvantageConfig:
     unbiased_std: divide by the sample std (ddof 1, torch's ``Tensor.std()`` default: DanceGRPO's group std,
               fastvideo/train_grpo_flux.py L542) instead of the population std (ddof 0, Flow-GRPO's ``np.std``); in
               every scheme and scope. Default false.
+    reward_source: where the stepwise rewards R_k of the gain schemes come from: ``tweedie`` (the x̂0 estimate of
+              X_k by T′ Euler substeps, ``loop.substeps``; the paper's method) | ``completion`` (X_k completed to an
+              image by the Euler ODE on the rest of the grid, ``stepflow.branch.complete``: the true reward of the
+              state under the ODE, at T − k NFEs per state).
     over:     ``all`` (the gains of every step enter the normalisation, Eq. 5) | ``trained`` (only the trained
               steps' gains, normalised jointly over them; it applies to ``gain`` and ``gain_per_step``, the schemes
               that read every step's gain (gae, gain_ema) keep ``all``, see :attr:`effective_over`). With
@@ -247,8 +251,11 @@ class AdvantageConfig:
     norm: str | None = None
     over: str = "all"
     unbiased_std: bool = False
+    reward_source: str = "tweedie"
 
     def __post_init__(self) -> None:
+        if self.reward_source not in ("tweedie", "completion"):
+            raise ValueError(f"reward_source: must be tweedie or completion, got {self.reward_source!r}")
         if self.scheme not in SCHEMES:
             raise ValueError(f"scheme: must be one of {SCHEMES}, got {self.scheme!r}")
         if self.std_scope not in STD_SCOPES:

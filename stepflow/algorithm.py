@@ -157,7 +157,8 @@ def iteration(learner: Learner, it: int) -> IterationResult:
                 x0_hat = _estimate(learner, traj, need)
         _stop_point(learner)
         with ph("reward"), contextlib.suppress(StopRequested):  # the needed R_k in one call (uniform: R_T)
-            scores = score(learner.policy, learner.reward, traj, x0_hat, learner.loop.decode_chunk, states=need)
+            scores = score(learner.policy, learner.reward, traj, x0_hat, learner.loop.decode_chunk, states=need,
+                           finished=learner.advantage.cfg.reward_source == "completion")
     _stop_point(learner)  # an interrupted reward call set the stop flag: every rank stops here
     with ph("advantage"):  # gains G_k = R_{k+1} − R_k, normalised per group over every rank's rows
         rewards = learner.dist.gather_rows(scores.rewards)
@@ -175,6 +176,10 @@ def iteration(learner: Learner, it: int) -> IterationResult:
 def _estimate(learner: Learner, traj: Trajectory, need: list[int]) -> Tensor | None:
     if not learner.advantage.needs_stepwise_rewards and not learner.objective.reads_estimates:
         return None
+    if learner.advantage.cfg.reward_source == "completion":  # the true reward of each state under the ODE
+        from stepflow.branch import complete_states
+
+        return complete_states(learner.policy, traj.latents, traj.times, traj.cond, need, learner.guidance)
     return estimate_states(learner.policy, traj, learner.loop.substeps, learner.guidance, learner.loop.adaptive_substeps,
                            learner.loop.estimate_chunk, states=need)
 
@@ -199,7 +204,8 @@ def _rollout_and_score_overlapped(learner: Learner, plan: IterationPlan, need: l
                                depth=max(need), sde_steps=sde, grid=grid)
             with ph("estimate"):
                 est = _estimate(learner, part, need)
-                futures.append(score(learner.policy, learner.reward, part, est, learner.loop.decode_chunk, states=need, executor=pool))
+                futures.append(score(learner.policy, learner.reward, part, est, learner.loop.decode_chunk, states=need,
+                                     executor=pool, finished=learner.advantage.cfg.reward_source == "completion"))
             parts.append(part)
             ests.append(est)
         with ph("reward"):

@@ -27,7 +27,7 @@ from stepflow.data import seeded_normal
 from stepflow.policies.base import Cond, FlowPolicy
 from stepflow.sde import SamplerConfig, ode_step, sde_step
 
-__all__ = ["completion_grid", "complete", "Branches", "branch_at", "completion_nfe"]
+__all__ = ["completion_grid", "complete", "complete_states", "Branches", "branch_at", "completion_nfe"]
 
 
 def completion_grid(times: Tensor, k: int, granularity: int = 1) -> Tensor:
@@ -64,6 +64,23 @@ def complete(policy: FlowPolicy, x: Tensor, t_from: Tensor | float, suffix: Tens
         x = ode_step(x, v, t, s).next
         t = s
     return x
+
+
+@torch.no_grad()
+def complete_states(policy: FlowPolicy, latents: Tensor, times: Tensor, cond: Cond, states: Sequence[int],
+                    guidance: float = 1.0) -> Tensor:
+    """The ODE completion of the states ``states`` of a rollout (``advantage.reward_source=completion``): X_k
+    (``latents[:, k]``, latents (B, D+1, C, H, W)) by the Euler ODE over ``τ_{k+1} .. τ_T`` (T − k NFEs per sample;
+    the state X_T is its own completion). Returns (B, T+1, C, H, W), zeros at the other states, like
+    :func:`stepflow.rollout.estimate_states`."""
+    b, t_steps = latents.shape[0], times.shape[0] - 1
+    out = latents.new_zeros((b, t_steps + 1, *latents.shape[2:]))
+    for k in sorted(set(states)):
+        if k > latents.shape[1] - 1:
+            raise ValueError(f"states: the rollout stopped at state {latents.shape[1] - 1}; cannot complete state {k}")
+        out[:, k] = latents[:, k] if k == t_steps else complete(policy, latents[:, k], times[k], times[k + 1:], cond,
+                                                                 guidance)
+    return out
 
 
 @dataclass(frozen=True)

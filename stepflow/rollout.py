@@ -206,19 +206,21 @@ def _repeat(items: Sequence, n: int) -> list:
 
 @torch.no_grad()
 def score(policy: FlowPolicy, reward: Reward, traj: Trajectory, x0_hat: Tensor | None = None,
-          decode_chunk: int | None = None, states: list[int] | None = None, executor=None):
+          decode_chunk: int | None = None, states: list[int] | None = None, executor=None, finished: bool = False):
     """Decode and score in one reward call: R_k of the states ``states`` (default 0..T) from the estimates
     ``x0_hat`` (B, T+1, ...) when given (B·len(states) images), else only R_T of the final latents (B images; what
     uniform credit reads). Rewards not computed are NaN; components are those of R_T (NaN when it was not scored).
 
     ``executor`` (a ``concurrent.futures`` executor): the images are decoded here and the reward call runs there;
-    returns a future of the :class:`Scores` (the caller goes on, e.g. rolling out the next chunk)."""
+    returns a future of the :class:`Scores` (the caller goes on, e.g. rolling out the next chunk). ``finished``: the
+    latents of ``x0_hat`` are finished images (ODE completions), decoded by the full VAE even where the policy has an
+    estimate decoder for x̂0 estimates."""
     b, tp1 = traj.batch_size, traj.num_steps + 1
     if x0_hat is None:
         images, ks, prompts, meta = _decode(policy, traj.latents[:, -1], decode_chunk), [tp1 - 1], traj.prompts, traj.meta
     else:
         ks = list(range(tp1)) if states is None else sorted(states)
-        images = _decode_states(policy, x0_hat, ks, decode_chunk)
+        images = _decode_states(policy, x0_hat, ks, decode_chunk, finished)
         prompts, meta = _repeat(traj.prompts, len(ks)), _repeat(traj.meta, len(ks))
     if executor is not None:
         return executor.submit(_scores, reward, images, prompts, meta, b, tp1, ks)
@@ -237,11 +239,12 @@ def _scores(reward: Reward, images: Tensor, prompts: list, meta: list, b: int, t
     return Scores(rewards, comps, images=b * n)
 
 
-def _decode_states(policy: FlowPolicy, x0_hat: Tensor, ks: list[int], decode_chunk: int | None) -> Tensor:
+def _decode_states(policy: FlowPolicy, x0_hat: Tensor, ks: list[int], decode_chunk: int | None,
+                   finished: bool = False) -> Tensor:
     """Images of the states ``ks`` of every sample (B·len(ks), 3, H, W): the estimates of intermediate states through
-    the policy's estimate decoder when it has one, the final image through the full VAE."""
+    the policy's estimate decoder when it has one (unless ``finished``), the final image through the full VAE."""
     b, tp1 = x0_hat.shape[:2]
-    if getattr(policy, "estimate_vae", None) is None:
+    if finished or getattr(policy, "estimate_vae", None) is None:
         return _decode(policy, x0_hat[:, ks].flatten(0, 1), decode_chunk)
     inter = [k for k in ks if k < tp1 - 1]
     parts = []

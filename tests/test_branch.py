@@ -131,3 +131,39 @@ def test_credit_quality_end_to_end(tmp_path):
     assert saved["nfe_completion"] == 8 * 4 * 5 // 2  # T(T+1)/2 per sample, T = 4
     assert saved["estimates"]["1"]["nfe"] == 0 and saved["estimates"]["2"]["nfe"] > 0  # Tweedie reuses the rollout's v
     assert (tmp_path / "credit_quality.png").stat().st_size > 1000 and res["num_steps"] == 4
+
+
+def test_completion_rewards_are_the_rewards_of_ode_completed_states(tmp_path):
+    """advantage.reward_source=completion: the estimate phase completes each needed state by the Euler ODE on the
+    rest of the grid; on an ODE rollout every state's completion is the rollout's own final image (so every gain is
+    0), and on an SDE rollout it equals an Euler loop written here."""
+    from stepflow.algorithm import _estimate, states_needed
+    from stepflow.rollout import rollout
+    from stepflow.train import build_module
+
+    for sampler in ("ode", "flow_sde"):
+        m = build_module(compose_config("train", ["experiment=smoke", "advantage.reward_source=completion",
+                                                  "advantage.over=all", f"sampler={sampler}"]), tmp_path / sampler)
+        lr = m.learner
+        plan = lr.plan.plan(0)
+        traj = rollout(lr.policy, plan, lr.sampler, lr.loop.num_steps, lr.guidance)
+        need = states_needed(lr, [0, 1, 2, 3], 0)
+        assert need == [0, 1, 2, 3, 4]
+        n0 = lr.policy.nfe
+        x0 = _estimate(lr, traj, need)
+        assert lr.policy.nfe - n0 == traj.batch_size * (4 + 3 + 2 + 1)  # T − k per state
+        if sampler == "ode":
+            for k in need:
+                torch.testing.assert_close(x0[:, k], traj.latents[:, -1], rtol=0, atol=1e-5)
+        else:
+            k, x, t = 1, traj.latents[:, 1].clone(), traj.times
+            with torch.no_grad():
+                for j in range(k, 4):
+                    x = x + (t[j + 1] - t[j]) * lr.policy.velocity(x, t[j], traj.cond, lr.guidance)
+            torch.testing.assert_close(x0[:, k], x, rtol=1e-5, atol=1e-6)
+            assert not torch.allclose(x0[:, 1], traj.latents[:, -1])  # the SDE's later noise is not in it
+
+
+def test_a_bad_reward_source_is_one_line(cli):
+    r = cli("stepflow.train", "experiment=smoke", "advantage.reward_source=bogus")
+    assert r.returncode != 0 and r.stderr.strip().splitlines()[-1].startswith("stepflow: error: advantage.reward_source")
