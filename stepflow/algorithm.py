@@ -139,6 +139,7 @@ def iteration(learner: Learner, it: int) -> IterationResult:
     steps, ph = learner.loop.num_steps, Phases(learner.policy)
     grid = learner.grid()  # loop.time_grid: the policy's own, or FastVideo's (DanceGRPO)
     sde = learner.window_steps(it)  # the SDE window (None: every step); the others follow the ODE
+    tail = _post_tail(learner, grid, sde)  # MixGRPO-Flash: the DPM++ tail after the window (None: Euler)
     obj = learner.objective
     trained = obj.trained_steps(learner.train, learner.sampler, grid, sde)  # steps (forward objectives: times)
     need = states_needed(learner, trained, it)  # the states whose rewards the credit (and the log) read
@@ -146,12 +147,12 @@ def iteration(learner: Learner, it: int) -> IterationResult:
     _stop_point(learner)
     if learner.loop.overlap_reward:  # the same three phases, chunk by chunk, each chunk's reward call in a thread
         with obj.behaviour():
-            traj, x0_hat, scores = _rollout_and_score_overlapped(learner, mine, need, sde, ph, grid)
+            traj, x0_hat, scores = _rollout_and_score_overlapped(learner, mine, need, sde, ph, grid, tail)
     else:
         with obj.behaviour():  # the behaviour policy's weights (DiffusionNFT: the old copy; else the current ones)
             with ph("rollout"):  # X_0 .. X_D and log π_old under the sampler, no grad (D: the last state needed)
                 traj = rollout(learner.policy, mine, learner.sampler, steps, learner.guidance, depth=max(need),
-                               sde_steps=sde, grid=grid)
+                               sde_steps=sde, grid=grid, tail=tail)
             _stop_point(learner)
             with ph("estimate"):  # x̂0 of the needed states by T′ Euler substeps (none for uniform credit)
                 x0_hat = _estimate(learner, traj, need)
@@ -185,7 +186,7 @@ def _estimate(learner: Learner, traj: Trajectory, need: list[int]) -> Tensor | N
 
 
 def _rollout_and_score_overlapped(learner: Learner, plan: IterationPlan, need: list[int], sde, ph: Phases,
-                                  grid: Tensor | None = None):
+                                  grid: Tensor | None = None, tail: Tensor | None = None):
     """Rollout, estimates and decoding of ``loop.overlap_chunks`` chunks of the rows in turn, each chunk's reward
     call submitted to a thread as soon as its images exist; the "reward" phase is what is left to wait for at the
     end. Same trajectories, rewards and NFEs as the sequential phases (rows are seeded one by one)."""
@@ -201,7 +202,7 @@ def _rollout_and_score_overlapped(learner: Learner, plan: IterationPlan, need: l
             sub = plan.rows(slice(s, s + size))
             with ph("rollout"):
                 part = rollout(learner.policy, sub, learner.sampler, learner.loop.num_steps, learner.guidance,
-                               depth=max(need), sde_steps=sde, grid=grid)
+                               depth=max(need), sde_steps=sde, grid=grid, tail=tail)
             with ph("estimate"):
                 est = _estimate(learner, part, need)
                 futures.append(score(learner.policy, learner.reward, part, est, learner.loop.decode_chunk, states=need,
@@ -217,6 +218,21 @@ def _rollout_and_score_overlapped(learner: Learner, plan: IterationPlan, need: l
     x0_hat = None if ests[0] is None else torch.cat(ests)
     comps = {k: torch.cat([d.components[k] for d in done]) for k in done[0].components}
     return traj, x0_hat, Scores(torch.cat([d.rewards for d in done]), comps, images=sum(d.images for d in done))
+
+
+def _post_tail(learner: Learner, grid: Tensor, sde: list[int] | None) -> Tensor | None:
+    """``window.post_solver=dpmpp2m`` (MixGRPO-Flash): the compressed tail grid after this iteration's window
+    (:func:`stepflow.window.post_tail`), with the grid's own shift (``loop.time_grid=fastvideo``: ``loop.grid_shift``,
+    null = the policy's; ``model``: the policy's scheduler shift). An empty window gets no tail: all Euler (the
+    released Flash crashes there, sampling_utils.py L44). None for every other window."""
+    if learner.window is None or getattr(learner.window, "post_solver", "euler") == "euler":
+        return None
+    from stepflow.window import post_tail
+
+    shift = getattr(learner.loop, "grid_shift", None)
+    if getattr(learner.loop, "time_grid", "model") != "fastvideo" or shift is None:
+        shift = float(learner.policy.shift)
+    return post_tail(learner.window, grid, sde, shift)
 
 
 def _stop_point(learner: Learner) -> None:

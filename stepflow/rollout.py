@@ -22,7 +22,7 @@ from stepflow.estimate import estimate_x0_with_nfe
 from stepflow.policies.base import Cond, FlowPolicy, check_time_grid
 from stepflow.rewards.base import Reward
 from stepflow.sde import TIME_GRIDS, SamplerConfig, fastvideo_time_grid, sde_step
-from stepflow.solvers import dpm2_step, dpm_order, x0_from_v
+from stepflow.solvers import dpm2_step, dpm_order, flash_tail, x0_from_v
 
 __all__ = ["Trajectory", "Scores", "sampling_grid", "rollout", "estimate_states", "score"]
 
@@ -40,6 +40,12 @@ class Trajectory:
     trainable: (B, D) bool, the step's noise std > 0
     times: (T+1,) the whole grid τ_0 = 1 .. τ_T = 0
     cond: B rows of prompt conditioning; prompts / meta: B prompt strings and records
+    tail_start, tail_times: MixGRPO-Flash (``rollout(tail=)``; else None): the rollout left the grid after state
+        ``s = tail_start`` (the state after the window, at ``times[s] = tail_times[0]``) and ran the DPM-Solver++(2M)
+        tail over ``tail_times`` to the final latent ``X_T`` (at ``tail_times[-1]``: 0, or ``times[s]`` itself when
+        the tail has no step). States ``s+1 .. T−1`` do not exist (:attr:`absent_states`; NaN, log-prob 0,
+        untrainable), nor the velocities of :attr:`absent_velocities`; :func:`estimate_states` and :func:`score`
+        refuse them.
     """
 
     latents: Tensor
@@ -50,6 +56,24 @@ class Trajectory:
     cond: Cond
     prompts: list[str]
     meta: list[dict[str, Any]]
+    tail_start: int | None = None
+    tail_times: Tensor | None = None
+
+    @property
+    def absent_states(self) -> list[int]:
+        """The states the rollout did not produce (MixGRPO-Flash: ``tail_start + 1 .. T − 1``; else none)."""
+        if self.tail_start is None:
+            return []
+        return list(range(self.tail_start + 1, self.num_steps))
+
+    @property
+    def absent_velocities(self) -> list[int]:
+        """The steps whose velocity ``velocities[:, k]`` was not evaluated (NaN): the absent states', and the tail
+        start's when the tail has no step (the released ``num_post = 1`` corner, which evaluates nothing there)."""
+        if self.tail_start is None:
+            return []
+        first = self.tail_start + (1 if self.tail_times is not None and len(self.tail_times) > 1 else 0)
+        return list(range(first, self.num_steps))
 
     @property
     def batch_size(self) -> int:
@@ -67,11 +91,17 @@ class Trajectory:
 
     @staticmethod
     def cat(parts: Sequence[Trajectory]) -> Trajectory:
-        """Trajectories of the same grid and depth, concatenated along the batch."""
+        """Trajectories of the same grid, depth and tail, concatenated along the batch."""
+        first = parts[0]
+        for p in parts[1:]:
+            if p.tail_start != first.tail_start or (p.tail_times is None) != (first.tail_times is None) or (
+                    p.tail_times is not None and not torch.equal(p.tail_times, first.tail_times)):
+                raise ValueError("Trajectory.cat: the parts ran different MixGRPO-Flash tails")
         return Trajectory(latents=torch.cat([p.latents for p in parts]), velocities=torch.cat([p.velocities for p in parts]),
                           log_probs=torch.cat([p.log_probs for p in parts]), trainable=torch.cat([p.trainable for p in parts]),
-                          times=parts[0].times, cond=Cond.cat([p.cond for p in parts]),
-                          prompts=[x for p in parts for x in p.prompts], meta=[x for p in parts for x in p.meta])
+                          times=first.times, cond=Cond.cat([p.cond for p in parts]),
+                          prompts=[x for p in parts for x in p.prompts], meta=[x for p in parts for x in p.meta],
+                          tail_start=first.tail_start, tail_times=first.tail_times)
 
 
 @dataclass(frozen=True)
@@ -103,7 +133,7 @@ def sampling_grid(policy: FlowPolicy, num_steps: int, kind: str = "model", shift
 @torch.no_grad()
 def rollout(policy: FlowPolicy, plan: IterationPlan, sampler: SamplerConfig, num_steps: int,
             guidance: float, depth: int | None = None, sde_steps: list[int] | None = None,
-            grid: Tensor | None = None) -> Trajectory:
+            grid: Tensor | None = None, tail: Tensor | None = None) -> Trajectory:
     """Encode the plan's prompts and sample its B trajectories with ``sampler`` under the current weights (π_old),
     for ``depth`` steps of the T-step grid (default all T): ``grid`` (T+1,) (default ``policy.time_grid(num_steps)``;
     :func:`sampling_grid`), stored as ``Trajectory.times``, which is what the update steps on.
@@ -118,6 +148,14 @@ def rollout(policy: FlowPolicy, plan: IterationPlan, sampler: SamplerConfig, num
     T-step grid (first order at k = 0 and k = T − 1, second order with the previous state's x̂0 elsewhere); log-probs
     0, nothing trainable. With ``sde_steps`` the steps outside it take the Euler step, and a dpm2 step inside it still
     uses the x̂0 of the state before it (whichever step made that state) and the order of its grid index.
+
+    ``tail`` (MixGRPO-Flash; :func:`stepflow.window.post_tail`): the compressed grid after the window, from
+    ``tail[0] = grid[last + 1]`` (``last = max(sde_steps)``) down to its end. The loop stops after step ``last`` and
+    :func:`stepflow.solvers.flash_tail` runs DPM-Solver++(2M) from ``X_{last+1}`` over ``tail``, its first step
+    second order with the x̂0 of ``X_last`` (released sampling_utils.py L112-144); its result is stored as ``X_T``.
+    States ``last + 2 .. T − 1`` do not exist: NaN, with NaN velocities, log-prob 0, untrainable
+    (``Trajectory.absent_states``); the velocity of ``X_{last+1}`` is the tail's first evaluation. Needs a non-empty
+    ``sde_steps`` and the whole depth. NFEs: ``last + 1`` grid steps + ``len(tail) − 1`` tail steps.
     """
     device = policy.device
     b = len(plan)
@@ -126,6 +164,20 @@ def rollout(policy: FlowPolicy, plan: IterationPlan, sampler: SamplerConfig, num
     times = (policy.time_grid(num_steps) if grid is None else grid).to(device)
     if times.shape != (num_steps + 1,):
         raise ValueError(f"grid: expected shape ({num_steps + 1},) for {num_steps} steps, got {tuple(times.shape)}")
+    last = None
+    if tail is not None:
+        if not sde_steps:
+            raise ValueError("tail: MixGRPO-Flash's tail follows the SDE window, but sde_steps is "
+                             f"{sde_steps!r}; roll an empty window out without a tail (all Euler)")
+        if depth not in (None, num_steps):
+            raise ValueError(f"tail: a Flash rollout has no states between the window and the end; depth must be the "
+                             f"whole grid ({num_steps}), got {depth}")
+        last = max(sde_steps)
+        tail = tail.to(device)
+        if tail.ndim != 1 or len(tail) < 1 or float(tail[0]) != float(times[last + 1]):
+            raise ValueError(f"tail: must be a (n,) grid starting at grid[{last + 1}] = {float(times[last + 1])} (the "
+                             f"state after the window's last step {last}; stepflow.solvers.flash_grid(...)[last + 1:]), "
+                             f"got {tail.tolist()}")
     x = seeded_normal(plan.init_noise_seeds, shape, device)
     eps = seeded_normal(plan.step_noise_seeds, (num_steps, *shape), device)  # (B, T, C, H, W)
     lat, vel, lps, trn = [x], [], [], []
@@ -139,14 +191,27 @@ def rollout(policy: FlowPolicy, plan: IterationPlan, sampler: SamplerConfig, num
                             t_prev=times[k - 1] if k > 0 else None)
         else:
             out = sde_step(cfg, x, v, times[k], times[k + 1], t_guard=times[1], noise=eps[:, k])
-        if multistep:
+        if multistep or k == last:
             x0_prev = x0_from_v(x, v, times[k])
         x = out.next
         lat.append(x); vel.append(v); lps.append(out.log_prob)
         trn.append(out.trainable.expand(b) if out.trainable.ndim == 0 else out.trainable)
+        if k == last:
+            break
+    if last is not None and last + 1 < num_steps:  # MixGRPO-Flash: X_{last+1} -> X_T by the DPM++ tail
+        final, _, tail_v = flash_tail(x, tail, lambda z, t: policy.velocity(z, t, cond, guidance), x0_prev,
+                                      times[last])
+        gap = num_steps - last - 2  # states last+2 .. T-1: off the compressed grid, never computed
+        nan = torch.full_like(x, float("nan"))
+        lat.extend([nan] * gap + [final.to(x.dtype)])
+        vel.extend([tail_v[0] if tail_v else nan] + [nan] * gap)
+        zero = torch.zeros(b, device=x.device, dtype=lps[-1].dtype)
+        lps.extend([zero] * (gap + 1))
+        trn.extend([torch.zeros(b, dtype=torch.bool, device=x.device)] * (gap + 1))
     return Trajectory(latents=torch.stack(lat, 1), velocities=torch.stack(vel, 1), log_probs=torch.stack(lps, 1),
                       trainable=torch.stack(trn, 1), times=times, cond=cond, prompts=list(plan.prompts),
-                      meta=list(plan.meta))
+                      meta=list(plan.meta), tail_start=None if last is None else last + 1,
+                      tail_times=tail)
 
 
 @torch.no_grad()
@@ -163,6 +228,11 @@ def estimate_states(policy: FlowPolicy, traj: Trajectory, substeps: int, guidanc
     ks = [k for k in (range(t_steps) if states is None else states) if k < t_steps]
     if ks and max(ks) > traj.depth:
         raise ValueError(f"states: the rollout stopped at state {traj.depth}; cannot estimate state {max(ks)}")
+    off = sorted(set(ks) & {*traj.absent_states, *traj.absent_velocities})
+    if off:
+        raise ValueError(f"states: the MixGRPO-Flash rollout (window.post_solver=dpmpp2m) left the grid after state "
+                         f"{traj.tail_start}, so states {off} (or their velocities) do not exist; use "
+                         "advantage=uniform (which reads only the final image)")
     n = len(ks)
     states_ = traj.latents[:, ks].flatten(0, 1)  # (B*n, C, H, W), row i*n + j -> state ks[j] of trajectory i
     times = traj.times[ks].repeat(b)  # (B*n,)
@@ -216,6 +286,10 @@ def score(policy: FlowPolicy, reward: Reward, traj: Trajectory, x0_hat: Tensor |
     latents of ``x0_hat`` are finished images (ODE completions), decoded by the full VAE even where the policy has an
     estimate decoder for x̂0 estimates."""
     b, tp1 = traj.batch_size, traj.num_steps + 1
+    off = sorted(set(range(tp1) if states is None else states) & set(traj.absent_states)) if x0_hat is not None else []
+    if off:
+        raise ValueError(f"states: the MixGRPO-Flash rollout (window.post_solver=dpmpp2m) has no states {off} to score; "
+                         "use advantage=uniform (which reads only the final image)")
     if x0_hat is None:
         images, ks, prompts, meta = _decode(policy, traj.latents[:, -1], decode_chunk), [tp1 - 1], traj.prompts, traj.meta
     else:

@@ -178,7 +178,26 @@ def settings(cfg: DictConfig) -> Settings:
     check_train_steps(train, s.sampler, loop.num_steps, s.objective.name == "grpo")
     check_trains_something(train, s.sampler, s.window, loop.num_steps, s.objective.name == "grpo")
     check_step_subset(s)
+    check_post_solver(s)
     return s
+
+
+def check_post_solver(s: Settings) -> None:
+    """One-line errors for ``window.post_solver=dpmpp2m`` (MixGRPO-Flash) where it cannot apply. Its rollout leaves
+    the grid after the window and keeps only the final latent (stepflow.rollout.Trajectory.absent_states), so it needs
+    the GRPO objective (the others read the final latent's re-noisings or every state's estimate) and uniform credit
+    (the gain schemes read the rewards of the states after the window). ``window.kind=mixgrpo`` is checked by
+    WindowConfig itself."""
+    if s.window.post_solver == "euler":
+        return
+    if s.objective.name != "grpo":
+        raise StepflowError(f"window.post_solver={s.window.post_solver}: MixGRPO-Flash trains the rollout's SDE window "
+                            f"with GRPO, not objective={s.objective.name}; use objective=grpo or "
+                            "window.post_solver=euler")
+    if s.advantage.scheme != "uniform":
+        raise StepflowError(f"window.post_solver={s.window.post_solver}: the Flash rollout keeps no state between the "
+                            f"window and the final image, which advantage={s.advantage.scheme} reads; use "
+                            "advantage=uniform or window.post_solver=euler")
 
 
 def check_step_subset(s: Settings) -> None:

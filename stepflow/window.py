@@ -11,7 +11,9 @@ A window is a pure function of the iteration (and the seed), so a resumed run dr
   MixGRPO-random semantics; not DanceGRPO's subset, which trains a per-sample subset of all-SDE rollouts, league.md §0);
 - ``mixgrpo``: MixGRPO's progressive window as released (:func:`mixgrpo_window`): ``range(cur, min(cur + size, T − 2))``
   with ``cur`` moved by ``stride`` every ``every`` iterations; the window shrinks at the end of the grid and is empty
-  at ``cur = T − 2``, after which it rolls back to ``start`` (``roll_back``) or stays empty.
+  at ``cur = T − 2``, after which it rolls back to ``start`` (``roll_back``) or stays empty. ``post_solver=dpmpp2m``
+  (MixGRPO-Flash): the ODE after the window is a DPM-Solver++(2M) tail on a compressed grid (:func:`post_tail`,
+  :func:`stepflow.solvers.flash_tail`) instead of the grid's Euler steps.
 
 Steps outside the window carry no log-prob and are never trained; the x̂0 estimates and rewards of their states are
 still computed where the credit scheme reads them.
@@ -19,13 +21,18 @@ still computed where the credit scheme reads them.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
+from torch import Tensor
 
-__all__ = ["WindowConfig", "window_steps", "mixgrpo_window", "mixgrpo_position", "WINDOWS"]
+__all__ = ["WindowConfig", "window_steps", "mixgrpo_window", "mixgrpo_position", "post_tail", "WINDOWS",
+           "POST_SOLVERS"]
 
 WINDOWS = ("none", "fixed", "sliding", "random", "mixgrpo")
+#: the ODE after the window: the grid's Euler steps, or MixGRPO-Flash's compressed DPM-Solver++(2M) tail
+POST_SOLVERS = ("euler", "dpmpp2m")
 
 
 @dataclass
@@ -41,6 +48,13 @@ class WindowConfig:
     #: mixgrpo: past the last position (T − 2) the window restarts at ``start`` (MixGRPO's ``--roll_back``, which every
     #: released script passes); false: it stays at T − 2, where it is empty, for the rest of the run
     roll_back: bool = False
+    #: mixgrpo: the ODE after the window's last step: ``euler`` (MixGRPO; the grid's own steps) | ``dpmpp2m``
+    #: (MixGRPO-Flash, ``--dpm_algorithm_type dpmsolver++ --dpm_apply_strategy post``: DPM-Solver++(2M) on a compressed
+    #: grid of ``int(max((T − last)·post_compress_ratio, 1))`` points; only the final latent is kept, so it needs
+    #: uniform credit, which stepflow.train checks)
+    post_solver: str = "euler"
+    #: dpmpp2m: ``--dpm_post_compress_ratio`` (0.4 in ..._MixGRPO_Flash.sh, 0.2 in ..._MixGRPO_Flash*.sh)
+    post_compress_ratio: float = 0.4
 
     def __post_init__(self) -> None:
         if self.kind not in WINDOWS:
@@ -54,6 +68,14 @@ class WindowConfig:
             raise ValueError(f"start: must be an integer >= 0, got {self.start!r}")
         if not isinstance(self.roll_back, bool):
             raise ValueError(f"roll_back: must be true or false, got {self.roll_back!r}")
+        if self.post_solver not in POST_SOLVERS:
+            raise ValueError(f"post_solver: must be one of {', '.join(POST_SOLVERS)}, got {self.post_solver!r}")
+        r = self.post_compress_ratio
+        if not (isinstance(r, (int, float)) and not isinstance(r, bool) and math.isfinite(r) and r > 0):
+            raise ValueError(f"post_compress_ratio: must be a float > 0 (MixGRPO-Flash 0.4, Flash* 0.2), got {r!r}")
+        if self.post_solver != "euler" and self.kind != "mixgrpo":  # the release asserts sample_strategy=progressive
+            raise ValueError(f"post_solver: {self.post_solver} (MixGRPO-Flash's tail) follows the progressive window "
+                             f"only; use window=mixgrpo, or window.post_solver=euler with window={self.kind}")
 
 
 def window_steps(cfg: WindowConfig, iteration: int, num_steps: int, seed: int = 0) -> list[int] | None:
@@ -127,3 +149,19 @@ def mixgrpo_window(cfg: WindowConfig, iteration: int, num_steps: int) -> list[in
     [1, 2, 3, 4], …, 125-149 → [5, 6, 7], 150-174 → [6, 7], 175-199 → [7], 200-224 → [], 225 → [0, 1, 2, 3] again."""
     cur = mixgrpo_position(cfg, iteration, num_steps)
     return list(range(cur, min(cur + cfg.size, num_steps - 2)))
+
+
+def post_tail(cfg: WindowConfig | None, grid: Tensor, window: list[int] | None, shift: float) -> Tensor | None:
+    """MixGRPO-Flash's tail grid for one iteration: ``flash_grid(grid, last, post_compress_ratio, shift)[last + 1:]``
+    (:func:`stepflow.solvers.flash_grid`; ``last`` = the window's last step), which
+    :func:`stepflow.rollout.rollout` (``tail=``) runs with DPM-Solver++(2M) from ``X_{last+1}`` to the final latent.
+    None (every step after the window is the grid's Euler step) for ``post_solver=euler``, no window, or an **empty**
+    window: that iteration rolls out all-Euler, as MixGRPO does. The released Flash crashes there
+    (sampling_utils.py L44: ``last_false_index`` is None for an all-deterministic rollout), which its 300 iterations
+    never reach. grid: the (T+1,) rollout grid; shift: the grid's shift (released ``--shift``, 3)."""
+    if cfg is None or cfg.post_solver == "euler" or not window:
+        return None
+    from stepflow.solvers import flash_grid
+
+    last = max(window)
+    return flash_grid(grid, last, cfg.post_compress_ratio, shift)[last + 1:]

@@ -4,11 +4,13 @@
   L915-939, flow_grpo/diffusers_patch/sd3_sde_with_logprob.py L42-68, L91-92 (``train.weighting=guard_released``).
 - MixGRPO: Tencent-Hunyuan/MixGRPO e5cdd6a: fastvideo/utils/grpo_states.py L85-99, L136-148 (``window=mixgrpo``);
   MixGRPO-Flash: fastvideo/utils/sampling_utils.py L29-55, L112-144, L157-210, L273-447, L449-561
-  (:func:`stepflow.solvers.flash_grid`, :func:`stepflow.solvers.flash_tail`).
+  (:func:`stepflow.solvers.flash_grid`, :func:`stepflow.solvers.flash_tail`), and wired into the rollout
+  (``window.post_solver=dpmpp2m``, ``rollout(tail=)``, ``experiment=league/mixgrpo_flash``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 from types import SimpleNamespace
 
@@ -185,11 +187,12 @@ def _toy_velocity(x, t):
     return torch.tanh(x) * (1.0 + t) - 0.3 * x * t + 0.2 * (1.0 - t)
 
 
-def _released_flash_rollout(z, sigma_schedule, determistic, eta, ratio, shift, noises):
+def _released_flash_rollout(z, sigma_schedule, determistic, eta, ratio, shift, noises, velocity=_toy_velocity):
     """Transcription of run_sample_step's ``dpmsolver++`` / ``post`` / ``--flow_grpo_sampling`` path (sampling_utils.py
     L29-55, L112-144): flow_grpo_step (L157-210; its noise given, ``determistic`` → ``latents + dt·v``, L197-199) up
     to the window's last step, each pushing its x̂0 (L116-117, L127); then dpm_step's deterministic updates (L307-370:
-    first order L436, second-order midpoint L515-520), order 2. Returns (final latent, the compressed schedule)."""
+    first order L436, second-order midpoint L515-520), order 2. ``velocity(z, σ)`` stands in for the transformer.
+    Returns (final latent, the compressed schedule)."""
     model_outputs, lower_order_nums = [None, None], 0
     last = len(determistic) - 1 - next(i for i, v in enumerate(reversed(determistic)) if not v)
     sigma_schedule = _released_flash_schedule(sigma_schedule, last, ratio, shift)
@@ -197,7 +200,7 @@ def _released_flash_rollout(z, sigma_schedule, determistic, eta, ratio, shift, n
     lam = lambda s: torch.log(1 - s) - torch.log(s)  # noqa: E731
     for i in range(n_steps):
         sigma = sigma_schedule[i]
-        pred = _toy_velocity(z, sigma)
+        pred = velocity(z, sigma)
         model_outputs = [model_outputs[1], z - sigma * pred]  # dpm_state.update(x_0)
         if i <= last:
             sigma_prev, sigma_max = sigma_schedule[i + 1], sigma_schedule[1].item()
@@ -478,3 +481,190 @@ def test_guard_released_trains_in_the_loop(tmp_path):
     res = iteration(module.learner, 0)
     assert res.update["train/steps_trained"] == 4.0 and res.update["train/samples_trained"] == 8.0
     assert math.isfinite(res.update["train/policy_loss"]) and res.update["train/ratio_mean"] == 1.0
+
+
+# ================================================================================================================
+# MixGRPO-Flash in the rollout and the training loop (window.post_solver=dpmpp2m)
+# ================================================================================================================
+_FLASH = ("sampler=flow_sde", "advantage=uniform", "window=mixgrpo", "window.post_solver=dpmpp2m",
+          "train.drop_zero_adv=false")  # the smoke policy's rewards are all 0: keep its rows trained
+
+
+@pytest.fixture(scope="module")
+def _tiny(tmp_path_factory):
+    """The tiny shapes policy and an iteration plan of 8 rows (experiment=smoke)."""
+    from stepflow.train import build_module
+
+    module = build_module(compose_config("train", ["experiment=smoke"]), tmp_path_factory.mktemp("flash"))
+    return module.learner.policy, module.learner.plan.plan(0)
+
+
+@pytest.mark.parametrize("n,shift,window", [
+    (25, 3.0, [0, 1, 2, 3]), (25, 3.0, [5, 6, 7, 8]), (25, 3.0, [19, 20, 21, 22]), (25, 3.0, [21, 22]), (25, 3.0, [0]),
+    (10, 1.0, [0, 1, 2, 3]), (10, 1.0, [2, 3, 4, 5]), (10, 1.0, [4, 5, 6, 7])])
+@pytest.mark.parametrize("ratio", [0.4, 0.2, 0.8])
+def test_a_flash_rollout_is_the_released_sampler_on_the_shapes_policy(_tiny, n, shift, window, ratio):
+    """stepflow.rollout.rollout(tail=post_tail(...)) against the transcription of run_sample_step above, with the tiny
+    shapes transformer as the model and the rollout's own row-seeded noise: the final latent, the states up to the
+    window's end, the absent states (NaN, log-prob 0, untrainable), and the NFEs (the policy's counter)."""
+    from stepflow.data import seeded_normal
+    from stepflow.rollout import rollout
+    from stepflow.sde import fastvideo_time_grid
+    from stepflow.window import post_tail
+
+    policy, plan = _tiny
+    shape = tuple(policy.latent_shape)
+    grid = fastvideo_time_grid(n, shift)
+    torch.testing.assert_close(grid, _fastvideo_grid(n, shift), rtol=0, atol=0)
+    cfg = WindowConfig("mixgrpo", post_solver="dpmpp2m", post_compress_ratio=ratio)
+    tail = post_tail(cfg, grid, window, shift)
+    last = window[-1]
+    n0 = policy.nfe
+    traj = rollout(policy, plan, SamplerConfig(name="flow_sde", a=0.7), n, 1.0, sde_steps=window, grid=grid, tail=tail)
+    b = len(plan)
+    assert policy.nfe - n0 == b * (last + 1 + len(tail) - 1)  # the Euler prefix + the window + the tail
+    cond = policy.encode(plan.prompts)
+    z = seeded_normal(plan.init_noise_seeds, shape, policy.device)
+    noises = seeded_normal(plan.step_noise_seeds, (n, *shape), policy.device).transpose(0, 1)  # (T, B, ...)
+    det = [i not in window for i in range(n)]
+    want, sched = _released_flash_rollout(z.clone(), grid.clone(), det, 0.7, ratio, shift, noises,
+                                          velocity=lambda x, s: policy.velocity(x, s, cond, 1.0))
+    assert len(tail) == sched.shape[0] - (last + 1)
+    torch.testing.assert_close(traj.latents[:, -1], want, rtol=1e-4, atol=2e-5)
+    assert traj.depth == n and traj.tail_start == last + 1 and torch.equal(traj.tail_times, tail)
+    assert traj.absent_states == list(range(last + 2, n))
+    assert torch.isfinite(traj.latents[:, : last + 2]).all() and torch.isfinite(traj.latents[:, -1]).all()
+    assert torch.isnan(traj.latents[:, last + 2: n]).all() and torch.isnan(traj.velocities[:, last + 2:]).all()
+    assert traj.trainable[:, window].all() and traj.trainable.sum() == b * len(window)
+    assert float(traj.log_probs[:, last + 1:].abs().max()) == 0.0
+    if len(tail) == 1:  # num_post = 1: no tail step, the final latent is the state after the window (as released)
+        assert torch.equal(traj.latents[:, -1], traj.latents[:, last + 1])
+        assert torch.isnan(traj.velocities[:, last + 1]).all() and traj.absent_velocities == list(range(last + 1, n))
+    else:  # the tail's first evaluation is the velocity at X_{last+1}, which an Euler rollout evaluates too
+        torch.testing.assert_close(traj.velocities[:, last + 1],
+                                   policy.velocity(traj.latents[:, last + 1], grid[last + 1], cond, 1.0))
+        assert float(tail[-1]) == 0.0 and traj.absent_velocities == list(range(last + 2, n))
+
+
+def test_a_flash_rollout_refuses_what_it_does_not_have(_tiny):
+    from stepflow.rollout import Trajectory, estimate_states, rollout, score
+    from stepflow.sde import fastvideo_time_grid
+    from stepflow.window import post_tail
+
+    policy, plan = _tiny
+    grid = fastvideo_time_grid(10, 1.0)
+    sampler = SamplerConfig(name="flow_sde", a=0.7)
+    tail = post_tail(WindowConfig("mixgrpo", post_solver="dpmpp2m", post_compress_ratio=0.8), grid, [0, 1, 2], 1.0)
+    assert post_tail(WindowConfig("mixgrpo", post_solver="dpmpp2m"), grid, [], 1.0) is None  # empty window: Euler
+    assert post_tail(WindowConfig("mixgrpo"), grid, [0, 1, 2], 1.0) is None
+    with pytest.raises(ValueError, match="tail: MixGRPO-Flash's tail follows the SDE window"):
+        rollout(policy, plan, sampler, 10, 1.0, sde_steps=[], grid=grid, tail=tail)
+    with pytest.raises(ValueError, match="tail: must be a .* grid starting at grid\\[4\\]"):
+        rollout(policy, plan, sampler, 10, 1.0, sde_steps=[0, 1, 2, 3], grid=grid, tail=tail)
+    with pytest.raises(ValueError, match="depth must be the whole grid"):
+        rollout(policy, plan, sampler, 10, 1.0, depth=5, sde_steps=[0, 1, 2], grid=grid, tail=tail)
+    traj = rollout(policy, plan, sampler, 10, 1.0, sde_steps=[0, 1, 2], grid=grid, tail=tail)
+    assert traj.absent_states == list(range(4, 10))
+    with pytest.raises(ValueError, match=r"states \[4, 9\] .* do not exist; use advantage=uniform"):
+        estimate_states(policy, traj, 2, 1.0, states=[1, 4, 9])
+    x0 = estimate_states(policy, traj, 2, 1.0, states=[1, 3])  # the states up to the window's end exist
+    assert torch.isfinite(x0[:, [1, 3, 10]]).all()
+    with pytest.raises(ValueError, match=r"has no states \[4, 5, 6, 7, 8, 9\] to score"):
+        score(policy, None, traj, x0)
+    with pytest.raises(ValueError, match="different MixGRPO-Flash tails"):
+        Trajectory.cat([traj, rollout(policy, plan, sampler, 10, 1.0, sde_steps=[0, 1, 2], grid=grid)])
+
+
+def test_a_flash_iteration_costs_the_prefix_the_window_and_the_tail(tmp_path):
+    """NFEs of the rollout phase = B·(last + 1 + tail steps), against B·T for MixGRPO's Euler tail; the window's steps
+    are trained; an empty window rolls out all-Euler and trains nothing; the overlapped phases run the same tail."""
+    from stepflow.algorithm import _post_tail, _rollout_and_score_overlapped, iteration
+    from stepflow.rollout import rollout
+    from stepflow.solvers import flash_num_post
+
+    flash = _module(tmp_path / "flash", *_FLASH, "loop.num_steps=10", "window.every=1", "window.post_compress_ratio=0.8")
+    euler = _module(tmp_path / "euler", *_FLASH, "loop.num_steps=10", "window.every=1", "window.post_solver=euler")
+    lf, le = flash.learner, euler.learner
+    assert [lf.window_steps(i) for i in (0, 3, 4, 7, 8)] == [[0, 1, 2, 3], [3, 4, 5, 6], [4, 5, 6, 7], [7], []]
+    b = len(lf.plan.plan(0))
+    for it in (0, 3, 7, 8):
+        window = lf.window_steps(it)
+        rf, re_ = iteration(lf, it), iteration(le, it)
+        assert re_.phases.nfe["rollout"] == b * 10
+        tail_steps = flash_num_post(10, window[-1], 0.8) - 1 if window else None
+        want = b * (window[-1] + 1 + tail_steps) if window else b * 10
+        # hand: int((10 - last)·0.8) points: it 0 -> 4 + (5 - 1), 3 -> 7 + (3 - 1), 7 -> 8 + (2 - 1), 8 -> all 10 Euler
+        assert {0: 8, 3: 9, 7: 9, 8: 10}[it] * b == want
+        assert rf.phases.nfe["rollout"] == want and rf.phases.nfe["estimate"] == 0
+        assert rf.update["train/steps_trained"] == float(len(window))
+        assert math.isfinite(rf.rewards[:, -1].sum().item())
+    class _NoPhases:  # the phase timer is not under test here
+        def __call__(self, name):
+            return contextlib.nullcontext()
+
+    ph = _NoPhases()
+    over = _module(tmp_path / "over", *_FLASH, "loop.num_steps=10", "loop.overlap_reward=true", "loop.overlap_chunks=3",
+                   "window.post_compress_ratio=0.8")
+    lo = over.learner
+    grid, sde, plan = lo.grid(), lo.window_steps(0), lo.plan.plan(0)
+    tail = _post_tail(lo, grid, sde)
+    assert len(tail) == 5
+    traj, _, _ = _rollout_and_score_overlapped(lo, plan, [10], sde, ph, grid, tail)
+    ref = rollout(lo.policy, plan, lo.sampler, 10, lo.guidance, sde_steps=sde, grid=grid, tail=tail)
+    torch.testing.assert_close(traj.latents, ref.latents, equal_nan=True, rtol=1e-5, atol=1e-5)  # batch-size rounding
+    assert traj.tail_start == 4 and torch.equal(traj.tail_times, tail)
+
+
+def test_league_mixgrpo_flash_composes_and_flash_settings_are_checked():
+    from stepflow.errors import StepflowError
+    from stepflow.train import settings
+
+    s = settings(compose_config("train", ["experiment=league/mixgrpo_flash"]))
+    w = s.window
+    assert (w.kind, w.size, w.every, w.stride, w.roll_back, w.post_solver, w.post_compress_ratio) == (
+        "mixgrpo", 4, 20, 1, True, "dpmpp2m", 0.4)
+    assert (s.sampler.name, s.sampler.a, s.advantage.scheme, s.objective.name, s.loop.time_grid) == (
+        "flow_sde", 0.7, "uniform", "grpo", "fastvideo")
+    assert settings(compose_config("train", ["experiment=league/mixgrpo"])).window.post_solver == "euler"
+    for overrides, needle in [
+        (["advantage=gain"], r"^window\.post_solver=dpmpp2m: .* advantage=gain reads; use advantage=uniform"),
+        (["advantage=gain_trained"], r"advantage=uniform or window\.post_solver=euler"),
+        (["objective=nft"], r"^window\.post_solver=dpmpp2m: .* not objective=nft; use objective=grpo"),
+        (["window=sliding"], r"^window\.post_solver: dpmpp2m .* use window=mixgrpo"),
+        (["window.post_solver=dpm"], r"^window\.post_solver: must be one of euler, dpmpp2m"),
+        (["window.post_compress_ratio=0"], r"^window\.post_compress_ratio: must be a float > 0"),
+    ]:
+        with pytest.raises(StepflowError, match=needle) as e:
+            settings(compose_config("train", ["experiment=league/mixgrpo_flash", *overrides]))
+        assert "\n" not in str(e.value)
+
+
+def test_league_mixgrpo_flash_trains(tmp_path):
+    """``python -m stepflow.train experiment=league/mixgrpo_flash loop.iterations=2 eval.max_prompts=12``, in-process:
+    per iteration 64 rollouts of 4 + 1 NFEs (window [0..3], a one-step tail) and 4 trained steps of 64 rows."""
+    import csv
+
+    from stepflow.train import run
+
+    module = run(compose_config("train", ["experiment=league/mixgrpo_flash", "loop.iterations=2",
+                                          "eval.max_prompts=12"]), tmp_path)
+    assert module.iteration == 2 and module.nfe_total == 2 * (64 * 5 + 4 * 64)
+    rows = list(csv.DictReader(open(next(tmp_path.rglob("metrics.csv")))))
+    trained = [float(r["train/steps_trained"]) for r in rows if r.get("train/steps_trained")]
+    assert trained == [4.0, 4.0]
+
+
+def test_the_flash_tail_has_the_rollout_grids_shift(tmp_path):
+    """loop.time_grid=fastvideo loop.grid_shift=3 (the released grid): the tail is flash_grid(grid, last, r, 3) past the
+    window (the released u = linspace(1, 0, T + 1)[last + 1], shifted by 3), not the shapes model's shift 1."""
+    from stepflow.algorithm import _post_tail
+    from stepflow.solvers import flash_grid
+
+    lr = _module(tmp_path, *_FLASH, "loop.num_steps=25", "loop.time_grid=fastvideo", "loop.grid_shift=3",
+                 "window.post_compress_ratio=0.4").learner
+    grid = lr.grid()
+    torch.testing.assert_close(grid, _fastvideo_grid(25, 3.0), rtol=0, atol=0)
+    tail = _post_tail(lr, grid, [0, 1, 2, 3])
+    torch.testing.assert_close(tail, _released_flash_schedule(grid, 3, 0.4, 3.0)[4:], rtol=0, atol=1e-6)
+    assert len(tail) == 8 and not torch.allclose(tail, flash_grid(grid, 3, 0.4, 1.0)[4:])
+    assert _post_tail(lr, grid, []) is None  # an empty window: all Euler (the release crashes)
