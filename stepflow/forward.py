@@ -30,6 +30,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from stepflow.loss import grpo_surrogate
+
 __all__ = [
     "noised",
     "x0_from_velocity",
@@ -277,7 +279,8 @@ def awm_log_prob(v: Tensor, target: Tensor, t, kind: str = "ghuber", p: float = 
 
 def awm_policy_loss(logp: Tensor, logp_old: Tensor, adv: Tensor,
                     clip_range: float = 1.0) -> tuple[Tensor, dict[str, Tensor]]:
-    """AWM's clipped surrogate on the surrogate log-probs (awm:L1301-1327, ``loss_type='exp_first'``), to be minimised.
+    """AWM's clipped surrogate on the surrogate log-probs (awm:L1301-1327, ``loss_type='exp_first'``), to be minimised:
+    GRPO's own (:func:`stepflow.loss.grpo_surrogate`) with AWM's names and checks.
 
     ``ρ = exp(logp − sg(logp_old))``; ``loss = mean max(−A·ρ, −A·clip(ρ, 1 − c, 1 + c))``, c = ``train.clip_range``
     (1 in the released configs, so effectively off). logp (with grad), logp_old, adv: equal shapes (N,), one entry
@@ -294,20 +297,7 @@ def awm_policy_loss(logp: Tensor, logp_old: Tensor, adv: Tensor,
     if not (logp.shape == logp_old.shape == adv.shape) or logp.ndim != 1:
         raise ValueError(f"logp/logp_old/adv: expected equal (N,) shapes, got "
                          f"{tuple(logp.shape)}, {tuple(logp_old.shape)}, {tuple(adv.shape)}")
-    a = adv.detach().to(logp.dtype)
-    ratio = torch.exp(logp - logp_old.detach())
-    unclipped = -a * ratio
-    clipped = -a * torch.clamp(ratio, 1.0 - clip_range, 1.0 + clip_range)
-    loss = torch.maximum(unclipped, clipped).mean()
-    with torch.no_grad():
-        rr = ratio.detach()
-        stats = {
-            "clip_frac": ((rr - 1.0).abs() > clip_range).to(rr.dtype).mean(),
-            "ratio_mean": rr.mean(),
-            "ratio_min": rr.min(),
-            "ratio_max": rr.max(),
-        }
-    return loss, stats
+    return grpo_surrogate(logp, logp_old, adv, clip_range)
 
 
 def awm_train_indices(num_steps: int, n: int = 6, frac: float = 0.9, generator: torch.Generator | None = None,

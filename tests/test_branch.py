@@ -93,14 +93,9 @@ def test_branch_nfes_are_counted(setup):
 
 
 def _credit_quality():
-    import importlib.util
-    from pathlib import Path
+    from helpers.experiments import load_experiment
 
-    path = Path(__file__).resolve().parent.parent / "experiments" / "credit_quality.py"
-    spec = importlib.util.spec_from_file_location("credit_quality", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_experiment("credit_quality")
 
 
 def test_credit_quality_spearman_is_scipys():

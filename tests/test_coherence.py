@@ -81,14 +81,9 @@ def test_step_gradients_are_the_loss_gradients_and_leave_weights_alone(tmp_path)
 
 def test_grad_coherence_experiment_writes_json_and_png(tmp_path):
     """experiments/grad_coherence.py end to end on the smoke config: per-step rho for both schemes, a PNG."""
-    import importlib.util
     import json
-    from pathlib import Path
 
-    path = Path(__file__).resolve().parent.parent / "experiments" / "grad_coherence.py"
-    spec = importlib.util.spec_from_file_location("grad_coherence", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = _grad_coherence_module()
     res = mod.main(["--batches", "2", "--out", str(tmp_path), "experiment=smoke"])
     saved = json.loads((tmp_path / "coherence.json").read_text())
     assert (tmp_path / "coherence.png").stat().st_size > 1000
@@ -100,14 +95,9 @@ def test_grad_coherence_experiment_writes_json_and_png(tmp_path):
 
 
 def _grad_coherence_module():
-    import importlib.util
-    from pathlib import Path
+    from helpers.experiments import load_experiment
 
-    path = Path(__file__).resolve().parent.parent / "experiments" / "grad_coherence.py"
-    spec = importlib.util.spec_from_file_location("grad_coherence", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_experiment("grad_coherence")
 
 
 def test_weighted_update_closed_forms():

@@ -5,12 +5,10 @@ the behaviour policy; resume with the copies; and the settings each objective re
 from __future__ import annotations
 
 import math
-from pathlib import Path
 
 import pytest
 import torch
 
-from stepflow.errors import StepflowError
 from stepflow.testing.harness import compose_config
 
 BASE = ["experiment=smoke", "reward=pickscore_tiny"]
@@ -34,6 +32,14 @@ def _batch(module, it=0):
         traj = rollout(lr.policy, plan, lr.sampler, lr.loop.num_steps, lr.guidance)
     adv = torch.randn(traj.batch_size, lr.loop.num_steps, generator=torch.Generator().manual_seed(5)) * 3
     return plan, traj, steps, adv
+
+
+def _point(obj, traj, term):
+    """Term ``term``'s grid index k (B,), time t (B, 1, 1, 1), X_T, noise and x_t = (1 − t)·X_T + t·ε, written out."""
+    k = obj.index[:, term]
+    t = traj.times[k].view(-1, 1, 1, 1)
+    x0, eps = traj.latents[:, -1], obj.noise[:, term]
+    return k, t, x0, eps, (1 - t) * x0 + t * eps
 
 
 def _perturb(copy, scale=0.05, seed=0):
@@ -65,10 +71,7 @@ def test_nft_term_is_the_released_formula_on_the_policys_velocities(tmp_path):
     assert all(len(set(r.tolist())) == 3 for r in obj.index)  # a permutation's first K: no time twice
     rows = torch.arange(traj.batch_size)
     got = step_loss(lr, traj, adv, 1, rows, traj.times)
-    k = obj.index[:, 1]
-    t = traj.times[k].view(-1, 1, 1, 1)
-    x0 = traj.latents[:, -1]
-    x_t = (1 - t) * x0 + t * obj.noise[:, 1]
+    k, t, x0, eps, x_t = _point(obj, traj, 1)
     cond, pol = traj.cond, lr.policy
     with torch.no_grad():
         v = pol.velocity(x_t, t.flatten(), cond, 1.0)
@@ -158,10 +161,7 @@ def test_awm_term_is_the_released_formula_with_shared_stratified_times(tmp_path)
     assert all(lo <= int(k) < hi for k, (lo, hi) in zip(obj.index[0], strata))
     rows = torch.arange(traj.batch_size)
     got = step_loss(lr, traj, adv, 2, rows, traj.times)
-    k = obj.index[:, 2]
-    t = traj.times[k].view(-1, 1, 1, 1)
-    x0, eps = traj.latents[:, -1], obj.noise[:, 2]
-    x_t = (1 - t) * x0 + t * eps
+    k, t, x0, eps, x_t = _point(obj, traj, 2)
     pol, cond = lr.policy, traj.cond
     with torch.no_grad():
         v = pol.velocity(x_t, t.flatten(), cond, 1.0)
@@ -189,10 +189,8 @@ def test_awm_gradient_is_the_advantage_weighted_flow_matching_gradient(tmp_path)
     rows = torch.arange(traj.batch_size)
     params = [p for p in lr.policy.trainable_parameters()]
     g1 = torch.autograd.grad(step_loss(lr, traj, adv, 0, rows, traj.times)["loss"], params, allow_unused=True)
-    k = obj.index[:, 0]
-    t = traj.times[k]
-    x0, eps = traj.latents[:, -1], obj.noise[:, 0]
-    x_t = (1 - t.view(-1, 1, 1, 1)) * x0 + t.view(-1, 1, 1, 1) * eps
+    k, t, x0, eps, x_t = _point(obj, traj, 0)
+    t = t.flatten()
     v = lr.policy.velocity(x_t, t, traj.cond, 1.0)
     ell = ((v - (eps - x0)) ** 2).mean(dim=(1, 2, 3))
     w = ((ell + 1e-10) ** 0.25 - 1e-10 ** 0.25) * t / 0.25
@@ -213,10 +211,7 @@ def test_advantageflow_term(tmp_path):
     obj.begin_update(lr, traj, 0, plan.step_noise_seeds, steps)
     rows = torch.arange(traj.batch_size)
     got = step_loss(lr, traj, adv, 0, rows, traj.times)
-    k = obj.index[:, 0]
-    t = traj.times[k].view(-1, 1, 1, 1)
-    x0 = traj.latents[:, -1]
-    x_t = (1 - t) * x0 + t * obj.noise[:, 0]
+    k, t, x0, eps, x_t = _point(obj, traj, 0)
     pol, cond = lr.policy, traj.cond
     with torch.no_grad():
         f = x_t - t * pol.velocity(x_t, t.flatten(), cond, 1.0)
@@ -280,8 +275,8 @@ def test_every_forward_objective_trains_every_model_family(tmp_path, model):
     """nft, awm and advantageflow on each family's policy: a finite loss whose gradient reaches the trained weights
     (the per-sample training times go through each family's velocity)."""
     from stepflow.algorithm import step_loss
-    from stepflow.objectives import build_objective
     from stepflow.config import ObjectiveConfig
+    from stepflow.objectives import build_objective
 
     m = _module(tmp_path, f"model={model}", "objective=nft")
     lr = m.learner
