@@ -28,9 +28,13 @@ __all__ = [
     "AdvantageOut",
     "AdvantageEstimator",
     "SCHEMES",
+    "BRANCH_SCHEMES",
 ]
 
-SCHEMES = ("uniform", "gain", "gain_per_step", "gain_ema", "gae")
+SCHEMES = ("uniform", "gain", "gain_per_step", "gain_ema", "gae", "turning_point", "tempflow", "g2rpo")
+#: the credits whose rewards come from branch rollouts (stepflow.branch_loop): an ODE anchor, K SDE branches at each
+#: trained step, each completed by the ODE (TempFlow-GRPO, Granular-GRPO; docs/method.md §13)
+BRANCH_SCHEMES = ("tempflow", "g2rpo")
 STD_SCOPES = ("group", "global")
 NORMS = (None, "joint", "per_step")
 
@@ -220,7 +224,16 @@ class AdvantageConfig:
     """How rewards become per-step advantages.
 
     scheme:   ``uniform`` (Flow-GRPO Eq. 4) | ``gain`` (Eq. 5, joint) | ``gain_per_step`` (App. C) |
-              ``gain_ema`` (§6.1) | ``gae`` (§6.2). (Gain-weighted distillation is an objective: ``objective=distill``.)
+              ``gain_ema`` (§6.1) | ``gae`` (§6.2) | ``turning_point`` (TurningPoint-GRPO: d_t from the rewards of
+              the states 0..n of an SDE window 0..n−1 and the final image, turning points credited R_T − R_{t−1},
+              balanced; one normalisation per step column; with ``reward_source=completion`` as released) |
+              ``tempflow`` / ``g2rpo`` (branch rollouts, :data:`BRANCH_SCHEMES`: an ODE anchor, ``branches`` SDE
+              branches at each trained step completed by the ODE at ``granularities``; TempFlow-GRPO's per-step
+              column normalisation, Granular-GRPO's sum over granularities). (Gain-weighted distillation is an
+              objective: ``objective=distill``.)
+    branches: tempflow / g2rpo: K, the SDE branches each rollout row draws at every trained step.
+    granularities: tempflow / g2rpo: the strides of the ODE completions (Granular-GRPO's ``granular_list``); one
+              reward per branch and granularity.
     std_scope: ``group`` | ``global`` (std over the whole batch).
     eps:      added to the std.        adv_clip: advantages are clamped to ±adv_clip.
     ema_alpha: α of :class:`EmaBaseline`.     gamma, lam: GAE's γ, λ (only γλ matters, see :func:`gae`).
@@ -252,6 +265,8 @@ class AdvantageConfig:
     over: str = "all"
     unbiased_std: bool = False
     reward_source: str = "tweedie"
+    branches: int = 4
+    granularities: list[int] = field(default_factory=lambda: [1])
 
     def __post_init__(self) -> None:
         if self.reward_source not in ("tweedie", "completion"):
@@ -260,6 +275,15 @@ class AdvantageConfig:
             raise ValueError(f"scheme: must be one of {SCHEMES}, got {self.scheme!r}")
         if self.std_scope not in STD_SCOPES:
             raise ValueError(f"std_scope: must be one of {STD_SCOPES}, got {self.std_scope!r}")
+        if not (isinstance(self.branches, int) and not isinstance(self.branches, bool) and self.branches >= 1):
+            raise ValueError(f"branches: must be an integer >= 1, got {self.branches!r}")
+        gran = list(self.granularities) if isinstance(self.granularities, (list, tuple)) else None
+        if not gran or any(not isinstance(g, int) or isinstance(g, bool) or g < 1 for g in gran) or len(set(gran)) < len(gran):
+            raise ValueError(f"granularities: must be a list of distinct integers >= 1 (e.g. [1, 2]), got {self.granularities!r}")
+        self.granularities = gran
+        if self.scheme in BRANCH_SCHEMES and self.reward_source != "tweedie":
+            raise ValueError(f"reward_source: advantage={self.scheme} rewards its branches' ODE completions already; "
+                             "leave advantage.reward_source=tweedie (its default)")
         if self.norm not in NORMS:
             raise ValueError(f"norm: must be one of {NORMS}, got {self.norm!r}")
         if self.over not in ("all", "trained"):
@@ -313,9 +337,20 @@ class AdvantageEstimator:
         """False for ``uniform`` (only the final reward is read), True otherwise."""
         return self.cfg.scheme != "uniform"
 
+    @property
+    def branched(self) -> bool:
+        """The credit's rewards come from branch rollouts (tempflow, g2rpo), not from the rollout's own states."""
+        return self.cfg.scheme in BRANCH_SCHEMES
+
     def states_needed(self, trained: list[int], num_steps: int) -> list[int]:
         """The states k ∈ 0..T whose rewards R_k the advantages of the ``trained`` steps read: ``[T]`` for uniform
-        credit, all of them for gains normalised over every step, ``{k, k + 1 : k trained}`` with ``over=trained``."""
+        credit, all of them for gains normalised over every step, ``{k, k + 1 : k trained}`` with ``over=trained``;
+        ``turning_point``: ``0..n`` and T for the window ``0..n−1``; the branch schemes read none of the rollout's
+        (their rollout is the anchor; :mod:`stepflow.branch_loop`)."""
+        if self.branched:
+            return [num_steps]
+        if self.cfg.scheme == "turning_point":
+            return sorted({*range(len(trained) + 1), num_steps})
         if not self.needs_stepwise_rewards:
             return [num_steps]
         if self.cfg.effective_over == "trained":
@@ -349,6 +384,11 @@ class AdvantageEstimator:
             if ks:
                 g[:, ks] = (rewards[:, [k + 1 for k in ks]] - rewards[:, ks]).detach().to(torch.float64)
                 adv[:, ks] = self._normalize(g[:, ks], group_ids)
+        elif cfg.scheme == "turning_point":
+            adv, g, turning = self._turning_point(rewards, group_ids, t, sorted(trained or []))
+        elif cfg.scheme in BRANCH_SCHEMES:
+            raise ValueError(f"advantage={cfg.scheme}: its advantages come from branch rollouts "
+                             "(AdvantageEstimator.branch_advantages), not from one rollout's rewards")
         elif cfg.scheme == "uniform":
             adv = uniform_advantages(rewards[:, -1], group_ids, t, std_scope=cfg.std_scope, eps=cfg.eps,
                                      unbiased=cfg.unbiased_std)
@@ -364,8 +404,61 @@ class AdvantageEstimator:
         raw = adv
         adv = adv.clamp(-cfg.adv_clip, cfg.adv_clip)
         stats = self._stats(raw, adv, g, rewards, group_ids,
-                            sorted(trained or []) if cfg.effective_over == "trained" else None)
+                            sorted(trained or []) if cfg.effective_over == "trained" else
+                            (sorted(trained or []) if cfg.scheme == "turning_point" else None))
+        if cfg.scheme == "turning_point":
+            stats["turning_frac"] = turning
         return AdvantageOut(advantages=adv, gains=None if g is None else g.to(torch.float32), stats=stats)
+
+    def _turning_point(self, rewards: Tensor, group_ids: Tensor, t: int,
+                       trained: list[int]) -> tuple[Tensor, Tensor, float]:
+        """TurningPoint-GRPO (:func:`stepflow.branch_credit.turning_point_rewards` with the released flags, then
+        :func:`~stepflow.branch_credit.per_step_advantages`): R_0 = ``rewards[:, 0]`` (under
+        ``reward_source=completion`` the pure-ODE image from the same noise), R_t = ``rewards[:, t]`` for the window's
+        t = 1..n (the first t SDE steps, then the ODE), R_sde = ``rewards[:, T]``. The trained steps must be the window
+        ``0..n−1`` (the released ``sde_window_range = (0, n)``). Returns the (B, T) advantages (0 outside the window;
+        not yet clipped), the per-step rewards r_t in the window's columns (the "gains" logged) and the fraction of
+        (row, step) pairs that are kept turning points."""
+        from stepflow.branch_credit import per_step_advantages, turning_point_rewards
+
+        n = len(trained)
+        if trained != list(range(n)) or n == 0:
+            raise ValueError(f"advantage=turning_point: the trained steps must be an SDE window starting at step 0 "
+                             f"(TurningPoint-GRPO's sde_window_range (0, n)), got {trained}; set train.train_steps=null "
+                             "with window=none or a window that starts at 0")
+        r = rewards.detach().to(torch.float64)
+        tp = turning_point_rewards(r[:, 0], r[:, 1:n + 1], r[:, t], eta=1.0)
+        adv = torch.zeros(r.shape[0], t, dtype=torch.float32)
+        adv[:, :n] = per_step_advantages(tp.rewards, group_ids, eps=self.cfg.eps,
+                                         global_std=self.cfg.std_scope == "global")
+        g = torch.zeros(r.shape[0], t, dtype=torch.float64)
+        g[:, :n] = tp.rewards.double()
+        return adv, g, float(tp.turning.double().mean())
+
+    def branch_advantages(self, rewards: Tensor, group_ids: Tensor) -> tuple[Tensor, dict[str, float]]:
+        """The advantages of branch rollouts (:mod:`stepflow.branch_loop`). rewards: (B, K, S, G) the reward of row
+        i's branch j at trained step s completed at granularity g; group_ids: (B,) the rows' prompts (a group: every
+        row and branch of a prompt). ``tempflow``: :func:`stepflow.branch_credit.tempflow_advantages` on the (B·K, S)
+        rewards (G = 1: each step's column normalised within the group, population std + eps); ``g2rpo``:
+        :func:`~stepflow.branch_credit.g2rpo_advantages` on the (B·K, S, G) rewards (normalised per (step,
+        granularity) with the sample std + eps, summed over the granularities). Clipped to ±adv_clip. Returns
+        (B, K, S) float32 and the stats."""
+        from stepflow.branch_credit import g2rpo_advantages, tempflow_advantages
+
+        cfg = self.cfg
+        b, k, s, g = rewards.shape
+        gid = torch.as_tensor(group_ids).repeat_interleave(k)
+        if cfg.scheme == "tempflow":
+            if g != 1:
+                raise ValueError(f"advantage=tempflow: one completion per branch (granularities [1]), got {g}")
+            raw = tempflow_advantages(rewards.reshape(b * k, s), gid, eps=cfg.eps, global_std=cfg.std_scope == "global")
+        else:
+            raw = g2rpo_advantages(rewards.reshape(b * k, s, g), gid, eps=cfg.eps)
+        adv = raw.clamp(-cfg.adv_clip, cfg.adv_clip)
+        stats = {"adv_clip_frac": float((raw.abs() > cfg.adv_clip).double().mean()),
+                 "zero_rows": float((adv.view(b, k * s) == 0).all(1).sum()),
+                 "num_groups": float(len(torch.unique(torch.as_tensor(group_ids))))}
+        return adv.view(b, k, s), stats
 
     def _stats(self, raw: Tensor, adv: Tensor, g: Tensor | None, rewards: Tensor, group_ids: Tensor,
                gain_steps: list[int] | None = None) -> dict:

@@ -133,7 +133,12 @@ class IterationResult:
 
 def iteration(learner: Learner, it: int) -> IterationResult:
     """GRPO iteration ``it`` (docs/method.md §10). A stop request (SIGTERM / SIGINT) abandons it at the next phase
-    boundary before the update (``StopRequested``); once the update has begun, the iteration finishes."""
+    boundary before the update (``StopRequested``); once the update has begun, the iteration finishes. The branch
+    credits (``advantage=tempflow | g2rpo``) run :func:`stepflow.branch_loop.branch_iteration` instead."""
+    if learner.advantage.branched:
+        from stepflow.branch_loop import branch_iteration
+
+        return branch_iteration(learner, it)
     plan = learner.plan.plan(it)  # the same global plan on every rank; each rolls out its own rows
     mine = plan.shard(learner.dist.rank, learner.dist.world)
     steps, ph = learner.loop.num_steps, Phases(learner.policy)
@@ -282,7 +287,7 @@ def finite_advantages(learner: Learner, rewards: Tensor, group_ids: Tensor, it: 
 
 def update(learner: Learner, traj: Trajectory, adv: Tensor, x0_hat: Tensor | None, it: int,
            steps: list[int] | None = None, weights: Tensor | None = None, groups: Tensor | None = None,
-           measure: bool = False, seeds: Tensor | None = None) -> dict[str, float]:
+           measure: bool = False, seeds: Tensor | None = None, mask: Tensor | None = None) -> dict[str, float]:
     """Policy update over the objective's terms (the GRPO family: the trained ``steps``, default the objective's
     :meth:`~stepflow.objectives.base.Objective.trained_steps`; the forward-process objectives: K training times per
     row drawn among them): ``updates_per_iter`` optimizer steps over shuffled rows, each accumulating (terms ×
@@ -296,7 +301,13 @@ def update(learner: Learner, traj: Trajectory, adv: Tensor, x0_hat: Tensor | Non
     the S terms (:func:`subset_steps`); term j runs over the chunk's rows that drew it, and each (row, term) pair's
     loss is weighted ``weights[j]/(N·int(S·fraction))``, N the chunk's rows on every rank: the released
     ``mean max(−Aρ, −A clip(ρ, 1 ± ϵ))/(grad_accum·train_timesteps)`` summed over an optimizer step's samples and
-    their steps (fastvideo/train_grpo_flux.py L571-611). Returns diagnostics (means over terms)."""
+    their steps (fastvideo/train_grpo_flux.py L571-611). ``mask``: (B_local, S) bool, the same per-row subset given by
+    the caller instead of drawn (the branch rollouts of :mod:`stepflow.branch_loop`: each branch row trains its own
+    step only); every row must train the same number of terms.
+
+    ``train.update_per_step`` (Granular-GRPO): one optimizer step per term, each over the chunk's rows that train
+    it (its loss the mean over them, times ``weights[j]``), in the terms' order. Returns diagnostics (means over
+    terms)."""
     o, pol, dist, obj = learner.train, learner.policy, learner.dist, learner.objective
     if steps is None:
         steps = obj.trained_steps(o, learner.sampler, traj.times, learner.window_steps(it))
@@ -316,19 +327,50 @@ def update(learner: Learner, traj: Trajectory, adv: Tensor, x0_hat: Tensor | Non
     # train.step_subset (DanceGRPO): each row trains its own int(S·step_fraction) of the S terms, drawn from its seed
     subset = (subset_steps(len(todo), torch.arange(traj.batch_size) if seeds is None else seeds, o.step_fraction)
               if o.step_subset is not None and todo else None)  # (B_local, S) bool, or None: every row every term
+    if mask is not None:  # given by the rollout (branch rows), not drawn
+        if subset is not None:
+            raise ValueError("train.step_subset: the branch rollouts give each row its own step already; set "
+                             "train.step_subset=null")
+        subset = torch.as_tensor(mask, dtype=torch.bool)
+        if subset.shape != (traj.batch_size, len(todo)):
+            raise ValueError(f"mask: expected shape ({traj.batch_size}, {len(todo)}), got {tuple(subset.shape)}")
+        counts = subset.sum(1)
+        if len(counts) and bool((counts != counts[0]).any()):
+            raise ValueError("mask: every row must train the same number of terms")
     if subset is not None and learner.weighting.per_step:
         raise ValueError(f"train.step_subset: combines the terms of each sample's own steps, which "
                          f"train.weighting={o.weighting} (whole per-step gradients) cannot; use another train.weighting")
-    per_row = len(todo) if subset is None else steps_per_sample(len(todo), o.step_fraction)
+    if o.update_per_step and learner.weighting.per_step:
+        raise ValueError(f"train.update_per_step: one optimizer step per trained step, which train.weighting="
+                         f"{o.weighting} (a combination of every step's gradient) cannot; use another train.weighting")
+    if mask is not None:  # a rank without rows learns the count from the others
+        per_row = int(dist.all_max(int(subset[0].sum()) if len(subset) else 0))
+    elif subset is not None:
+        per_row = steps_per_sample(len(todo), o.step_fraction)
+    else:
+        per_row = len(todo)
     if per_row == 0:  # int(S·step_fraction) = 0: no sample trains a step (train.py refuses such settings)
         chunks = []
     times = traj.times.to(pol.device)
     params = list(pol.trainable_parameters())
     stats = _Stats()  # row-weighted sums, detached 0-d tensors: no host sync until the end of the update
     pol.train()
+    def optimizer_step() -> None:
+        dist.all_reduce_grads(params)
+        norm = clip_and_step(learner, params, o.max_grad_norm)
+        if norm is not None:
+            stats.plain.setdefault("grad_norm", []).append(norm)
+        learner.opt_steps += 1
+        if learner.on_optimizer_step is not None:
+            learner.on_optimizer_step(learner.opt_steps - 1)
+
     for chunk in chunks:
         n_global = dist.all_sum(len(chunk))
         if n_global == 0:
+            continue
+        if o.update_per_step:  # Granular-GRPO: an optimizer step per term, over the chunk's rows that train it
+            _term_steps(learner, todo, chunk, subset, weights, step_loss_fn=lambda k, mb: step_loss(
+                learner, traj, adv, k, mb, times, x0_hat), stats=stats, optimizer_step=optimizer_step)
             continue
         learner.optimizer.zero_grad(set_to_none=True)
         mbs = [mb for mb in chunk.split(o.micro_batch_size) if len(mb)]  # a rank may hold none of a chunk's rows
@@ -368,13 +410,7 @@ def update(learner: Learner, traj: Trajectory, adv: Tensor, x0_hat: Tensor | Non
                 for j, k in enumerate(todo):
                     terms(k, mbs, (1.0 if weights is None else float(weights[j])) / len(todo),
                           last=j == len(todo) - 1)
-        dist.all_reduce_grads(params)
-        norm = clip_and_step(learner, params, o.max_grad_norm)
-        if norm is not None:
-            stats.plain.setdefault("grad_norm", []).append(norm)
-        learner.opt_steps += 1
-        if learner.on_optimizer_step is not None:
-            learner.on_optimizer_step(learner.opt_steps - 1)
+        optimizer_step()
     pol.eval()
     res = stats.reduce(dist)
     res["train/samples_trained"], res["train/steps_trained"] = dist.all_sum(len(rows)), float(len(todo) if steps else 0)
@@ -389,6 +425,36 @@ def update(learner: Learner, traj: Trajectory, adv: Tensor, x0_hat: Tensor | Non
         if q95 < float("inf"):  # Cochran's Q over its 95 % point: the weights leave uniform above 1
             res["train/signal_heterogeneity"], res["train/signal_tau2"] = q / q95, tau2
     return res
+
+
+def _term_steps(learner: Learner, todo: list[int], chunk: Tensor, subset: Tensor | None, weights: Tensor | None,
+                step_loss_fn, stats: _Stats, optimizer_step) -> None:
+    """``train.update_per_step`` (Granular-GRPO, fastvideo/train_g2rpo_hps.py ``train_one_step``: the loop over the
+    trained steps calls ``optimizer.step()`` each time): for each term j in order, the mean loss over the chunk's
+    rows that train it (all rows without ``subset``), times ``weights[j]``, and an optimizer step. A term no row of
+    any rank trains takes no step. Under FSDP2 / DeepSpeed every rank runs as many micro-batches as the rank with
+    most (the extra ones at loss weight 0)."""
+    o, dist = learner.train, learner.dist
+    for j, k in enumerate(todo):
+        rows = chunk if subset is None else chunk[subset[chunk, j]]
+        n_j = dist.all_sum(len(rows))
+        if n_j == 0:
+            continue
+        learner.optimizer.zero_grad(set_to_none=True)
+        mbs = [mb for mb in rows.split(o.micro_batch_size) if len(mb)]
+        pads = [torch.zeros(1, dtype=torch.long)] * (
+            int(dist.all_max(len(mbs))) - len(mbs) if dist.lockstep else 0)
+        batches = [(mb, True) for mb in mbs] + [(mb, False) for mb in pads]
+        scale = 1.0 if weights is None else float(weights[j])
+        with dist.accumulating():
+            for i, (mb, real) in enumerate(batches):
+                out = step_loss_fn(k, mb)
+                w = scale * len(mb) / n_j * dist.grad_scale if real else 0.0
+                dist.boundary(i == len(batches) - 1)
+                learner.backward(out.pop("loss") * w)
+                if real:
+                    stats.add_terms(out, len(mb), k)
+        optimizer_step()
 
 
 def steps_per_sample(num_terms: int, fraction: float) -> int:

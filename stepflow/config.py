@@ -159,6 +159,9 @@ class TrainConfig:
     #: pairs trained, each weighted 1/(N·int(S·step_fraction)) (fastvideo/train_grpo_flux.py L551-603)
     step_subset: str | None = None
     step_fraction: float = 0.6  #: step_subset=random_per_sample: the fraction of the trained steps each sample trains
+    #: one optimizer step per trained step (each over the rows that train it), in the steps' order (Granular-GRPO's
+    #: per-step optimizer.step()); false: one optimizer step accumulates every trained step's term
+    update_per_step: bool = False
 
     def __post_init__(self) -> None:
         _need(self.kl_mode in KL_MODES, f"kl_mode: must be one of {', '.join(KL_MODES)}, got {self.kl_mode!r}")
@@ -193,6 +196,10 @@ class TrainConfig:
               f"step_subset: must be null or one of {', '.join(k for k in STEP_SUBSETS if k)}, got {self.step_subset!r}")
         _need(isinstance(self.step_fraction, (int, float)) and not isinstance(self.step_fraction, bool)
               and 0 < self.step_fraction <= 1, f"step_fraction: must be in (0, 1], got {self.step_fraction!r}")
+        _need(isinstance(self.update_per_step, bool), f"update_per_step: must be true or false, got {self.update_per_step!r}")
+        _need(not (self.update_per_step and self.weighting in ("grad_rms", "auto")),
+              f"update_per_step: one optimizer step per trained step, which weighting={self.weighting} (a combination of "
+              "every step's whole gradient) cannot take; use weighting=none (or noise, gain_var, guard)")
         self.betas = [float(b) for b in self.betas]
         if self.on_policy:
             self.updates_per_iter = 1

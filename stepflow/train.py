@@ -179,7 +179,51 @@ def settings(cfg: DictConfig) -> Settings:
     check_trains_something(train, s.sampler, s.window, loop.num_steps, s.objective.name == "grpo")
     check_step_subset(s)
     check_post_solver(s)
+    check_branches(s)
     return s
+
+
+def check_branches(s: Settings) -> None:
+    """One-line errors for the credits whose rewards come from elsewhere than the rollout's own states:
+    ``advantage=tempflow | g2rpo`` (branch rollouts, stepflow.branch_loop) train GRPO on branches of an ODE anchor, so
+    no other objective, no SDE window (the anchor is the ODE everywhere and every trained step branches), no
+    per-sample step subset (each branch row trains its own step) and no combination of whole per-step gradients;
+    the overlapped reward call does not apply (a warning). ``advantage=turning_point`` reads the window 0..n−1
+    (TurningPoint-GRPO's ``sde_window_range (0, n)``)."""
+    from stepflow.objectives.base import trainable_steps
+    from stepflow.sde import time_grid
+    from stepflow.window import window_steps
+
+    name = s.advantage.scheme
+    if name in ("tempflow", "g2rpo"):
+        fix = f"advantage={name} trains GRPO on branches of an ODE anchor at every trained step"
+        if s.objective.name != "grpo":
+            raise StepflowError(f"objective={s.objective.name}: {fix}; use objective=grpo")
+        if s.window.kind != "none":
+            raise StepflowError(f"window={s.window.kind}: {fix} (the anchor has no SDE window); use window=none and "
+                                "train.train_steps to choose the steps")
+        if s.train.step_subset is not None:
+            raise StepflowError(f"train.step_subset={s.train.step_subset}: {fix}, each branch row at its own step; set "
+                                "train.step_subset=null")
+        if s.train.weighting in ("grad_rms", "auto"):
+            raise StepflowError(f"train.weighting={s.train.weighting}: {fix}, each branch row at its own step, which "
+                                "whole per-step gradients cannot combine; use train.weighting=none or noise")
+        if s.sampler.name in ("ode", "dpm2"):
+            raise StepflowError(f"sampler={s.sampler.name}: {fix}, drawn by the sampler's SDE; use sampler=flow_sde "
+                                "(TempFlow-GRPO, Granular-GRPO) or another SDE")
+        if s.loop.overlap_reward:
+            import logging
+
+            logging.getLogger("stepflow.train").warning("loop.overlap_reward: does not apply to advantage=%s (one reward "
+                                                        "call for every branch image)", name)
+    if name == "turning_point" and s.objective.name == "grpo" and s.sampler.name not in ("ode", "dpm2"):
+        steps = s.loop.num_steps
+        window = None if s.window.kind == "none" else window_steps(s.window, 0, steps, 0)
+        cand = trainable_steps(s.train, s.sampler, time_grid(steps, shift=1.0), True, window)
+        if cand and cand != list(range(len(cand))):
+            raise StepflowError(f"advantage=turning_point: the trained steps must be a window that starts at step 0 "
+                                f"(TurningPoint-GRPO's sde_window_range (0, n)), got {cand}; use window=fixed "
+                                "window.start=0 or train.train_steps=null")
 
 
 def check_post_solver(s: Settings) -> None:

@@ -461,7 +461,7 @@ def test_guard_released_divides_the_policy_loss_only():
 def test_league_guard_and_mixgrpo_compose_with_the_released_settings():
     from stepflow.train import settings
 
-    s = settings(compose_config("train", ["experiment=league/guard"]))
+    s = settings(compose_config("train", ["experiment=league/grpo_guard"]))
     assert (s.train.weighting, s.train.clip_eps, s.train.beta_kl, s.sampler.name, s.sampler.a) == (
         "guard_released", 2e-6, 0.0, "flow_sde", 0.7)
     assert s.train.timestep_fraction == 0.99 and s.train.train_steps is None and s.advantage.std_scope == "group"

@@ -373,7 +373,7 @@ def test_the_defaults_are_off_and_the_league_config_is_the_released_recipe():
 
     s = settings(compose_config("train"))
     assert s.train.step_subset is None and s.loop.time_grid == "model" and s.advantage.unbiased_std is False
-    d = settings(compose_config("train", ["experiment=league/dance"]))
+    d = settings(compose_config("train", ["experiment=league/dancegrpo"]))
     assert (d.sampler.name, d.sampler.eta, d.loop.time_grid, d.window.kind) == ("dance_sde", 0.3, "fastvideo", "none")
     assert (d.train.step_subset, d.train.step_fraction, d.train.timestep_fraction) == ("random_per_sample", 0.6, 0.99)
     assert d.train.train_steps is None and d.train.clip_eps == 1e-4 and d.train.beta_kl == 0.0
