@@ -40,6 +40,18 @@ def _flow_grpo_step(x, v, t, t_next, a, t1):
     return mean, std_dev_t * math.sqrt(-float(dt))
 
 
+def _surrogate(lr, traj, adv, r, k, times, clip=1e-4):
+    """The released clipped surrogate max(−Aρ, −A clip(ρ, 1 ± ϵ)) of branch row r at step k, with ρ from Flow-GRPO's
+    step and torch's Normal (a differentiable 0-d tensor under the policy's current weights)."""
+    x_k = traj.latents[r:r + 1, k]
+    v = lr.policy.velocity(x_k, times[k], traj.cond.index([r]), 1.0)
+    mean, sd = _flow_grpo_step(x_k, v, times[k], times[k + 1], 0.7, times[1])
+    lp = Normal(mean, sd).log_prob(traj.latents[r:r + 1, k + 1]).flatten(1).mean(1)
+    ratio = torch.exp(lp - traj.log_probs[r:r + 1, k])
+    a = adv[r:r + 1, k]
+    return torch.maximum(-a * ratio, -a * ratio.clamp(1 - clip, 1 + clip)).mean()
+
+
 def _euler(pol, x, times, cond, start):
     """Euler ODE from state index ``start`` to the end of ``times``."""
     for i in range(start, len(times) - 1):
@@ -172,14 +184,7 @@ def test_tempflow_branches_advantages_and_gradient_are_the_released_ones(tmp_pat
     total = 0.0
     for r in keep:
         k = steps[int(torch.nonzero(mask[r]))]
-        x_k = traj.latents[r:r + 1, k]
-        v = lr.policy.velocity(x_k, times[k], traj.cond.index([r]), 1.0)
-        mean, sd = _flow_grpo_step(x_k, v, times[k], times[k + 1], 0.7, times[1])
-        lp = Normal(mean, sd).log_prob(traj.latents[r:r + 1, k + 1]).flatten(1).mean(1)
-        ratio = torch.exp(lp - traj.log_probs[r:r + 1, k])
-        a = adv[r:r + 1, k]
-        term = torch.maximum(-a * ratio, -a * ratio.clamp(1 - 1e-4, 1 + 1e-4)).mean()
-        total = total + float(w[steps.index(k)]) * term / len(keep)
+        total = total + float(w[steps.index(k)]) * _surrogate(lr, traj, adv, r, k, times) / len(keep)
     total.backward()
     want = torch.cat([p.grad.flatten() for p in params])
     for p in params:
@@ -248,13 +253,7 @@ def test_g2rpo_advantages_sum_granularities_and_each_step_takes_its_own_optimize
         rows = [r for r in range(traj.batch_size) if bool(seen["mask"][r, s]) and float(adv[r].abs().sum()) > 0]
         total = 0.0
         for r in rows:
-            x_k = traj.latents[r:r + 1, k]
-            v = lr.policy.velocity(x_k, times[k], traj.cond.index([r]), 1.0)
-            mean, sd = _flow_grpo_step(x_k, v, times[k], times[k + 1], 0.7, times[1])
-            lp = Normal(mean, sd).log_prob(traj.latents[r:r + 1, k + 1]).flatten(1).mean(1)
-            ratio = torch.exp(lp - traj.log_probs[r:r + 1, k])
-            a = adv[r:r + 1, k]
-            total = total + torch.maximum(-a * ratio, -a * ratio.clamp(1 - 1e-4, 1 + 1e-4)).mean() / len(rows)
+            total = total + _surrogate(lr, traj, adv, r, k, times) / len(rows)
         for p in params:
             p.grad = None
         total.backward()
