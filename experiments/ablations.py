@@ -201,7 +201,17 @@ def build_suites() -> dict[str, Suite]:
         [0, 1, 2], common=["window.size=3", "window.every=10", "advantage.over=all"], sweep_dir="outputs/ablations/allsteps",
         description="Every-step suite: credit for every step on the default recipe (conf/experiment/mini_step0.yaml), "
                     "weightings, SDE windows and automatic step weighting, 3 seeds per arm.")
-    return {s.name: s for s in (full, quick, paper, step0, allsteps)}
+    source = Suite(
+        "source",
+        [Ablation("reward_source", "mini_allsteps", {}, [{"advantage.reward_source": r} for r in ("tweedie", "completion")],
+                  "stepwise rewards from x̂0 estimates or from ODE completions",
+                  "The every-step recipe (conf/experiment/mini_allsteps.yaml) with its rewards R_k from T' substep "
+                  "x̂0 estimates (the paper's) or from the Euler ODE completion of each state (T - k NFEs each): "
+                  "what the cheap estimate costs in learning, per iteration and per NFE.")],
+        [0, 1, 2], sweep_dir="outputs/ablations/source",
+        description="Reward-source suite: the every-step recipe trained with x̂0-estimate and ODE-completion rewards, "
+                    "3 seeds per arm (docs/results.md, \"Credit quality\").")
+    return {s.name: s for s in (full, quick, paper, step0, allsteps, source)}
 
 
 # ---------------------------------------------------------------------------------------------------- naming
