@@ -8,8 +8,8 @@ reads this list and checks both). A name stands for that module, or that package
 1. core (math, prompts, the stop flag, the embedded shapes world): sde, solvers, advantage, loss, forward, window,
    estimate, coherence, weighting, data, stop, shapes, branch_credit
 2. models (the policies, the rewards, and the typed settings, which check the models' own): policies, rewards, config
-3. loop (one GRPO iteration, its objectives and the held-out evaluation, free of Lightning): rollout, branch, objectives,
-   algorithm, dist, ema, heldout
+3. loop (one GRPO iteration, its objectives and the held-out evaluation, free of Lightning): rollout, branch, branch_loop,
+   objectives, algorithm, dist, ema, heldout
 4. shell (Lightning: the module, strategies, checkpoints, logs): grpo, sharding, deepspeed_strategy,
    checkpoint, loggers, plots
 5. entry points (the Hydra commands and their plumbing): cli, rundir, train, evaluate, pretrain, serve_reward

@@ -34,7 +34,7 @@ from stepflow.sde import SamplerConfig
 from stepflow.weighting import Weighting
 
 __all__ = ["Learner", "Phases", "IterationResult", "iteration", "update", "step_loss", "step_gradients",
-           "trainable_steps", "finite_advantages", "iteration_metrics", "subset_steps", "steps_per_sample"]
+           "trainable_steps", "branch_iteration", "finite_advantages", "iteration_metrics", "subset_steps", "steps_per_sample"]
 
 
 @dataclass
@@ -134,10 +134,8 @@ class IterationResult:
 def iteration(learner: Learner, it: int) -> IterationResult:
     """GRPO iteration ``it`` (docs/method.md §10). A stop request (SIGTERM / SIGINT) abandons it at the next phase
     boundary before the update (``StopRequested``); once the update has begun, the iteration finishes. The branch
-    credits (``advantage=tempflow | g2rpo``) run :func:`stepflow.branch_loop.branch_iteration` instead."""
+    credits (``advantage=tempflow | g2rpo``) run :func:`branch_iteration` instead."""
     if learner.advantage.branched:
-        from stepflow.branch_loop import branch_iteration
-
         return branch_iteration(learner, it)
     plan = learner.plan.plan(it)  # the same global plan on every rank; each rolls out its own rows
     mine = plan.shard(learner.dist.rank, learner.dist.world)
@@ -177,6 +175,58 @@ def iteration(learner: Learner, it: int) -> IterationResult:
         obj.end_iteration(learner)  # its weight copies move toward the new weights
     upd["train/nonfinite_rewards"] = float(dropped.sum())
     return IterationResult(plan, scores, rewards, adv, upd, ph, x0_hat is not None, ~dropped)
+
+
+def branch_iteration(learner, it: int):
+    """Iteration ``it`` of a branch-rollout credit (``advantage=tempflow | g2rpo``; :mod:`stepflow.branch_loop`,
+    docs/method.md §13): ODE anchors (phase rollout), K SDE branches of every row at every trained step completed by
+    the ODE (estimate), one reward call (reward), the branch advantages over every rank's rows (advantage), and the
+    update of the branch rows, each at its own step (update). Returns an :class:`IterationResult` like
+    :func:`iteration`."""
+    from stepflow.branch import branch_at
+    from stepflow.branch_loop import anchor_rows, branch_advantages, branch_trajectory, score_branches
+
+    plan = learner.plan.plan(it)
+    mine = plan.shard(learner.dist.rank, learner.dist.world)
+    pol, cfg, dist = learner.policy, learner.advantage.cfg, learner.dist
+    steps, ph, grid = learner.loop.num_steps, Phases(learner.policy), learner.grid()
+    obj = learner.objective
+    trained = obj.trained_steps(learner.train, learner.sampler, grid, None)
+    k_br, grans = int(cfg.branches), tuple(cfg.granularities)
+    pol.eval()
+    _stop_point(learner)
+    with obj.behaviour():
+        with ph("rollout"):  # the ODE anchors, one per (prompt, initial noise)
+            anchors_plan, amap = anchor_rows(mine)
+            anchor = rollout(pol, anchors_plan, learner.sampler, steps, learner.guidance, sde_steps=[], grid=grid)
+        _stop_point(learner)
+        with ph("estimate"):  # K SDE branches of every row at every trained step, each completed by the ODE
+            lat, vel, cond = anchor.latents[amap], anchor.velocities[amap], anchor.cond.index(amap)
+            branches = []
+            for k in trained:
+                branches.append(branch_at(pol, lat, vel, anchor.times, cond, k, learner.sampler, k_br,
+                                          mine.step_noise_seeds, learner.guidance, grans))
+                _stop_point(learner)
+    with ph("reward"), contextlib.suppress(StopRequested):
+        scores, branch_r = score_branches(learner, anchor, amap, branches, mine)
+    _stop_point(learner)
+    with ph("advantage"):
+        rewards = dist.gather_rows(scores.rewards)
+        all_r = dist.gather_rows(branch_r)  # (B_global, K, S, G)
+        adv_all, dropped, stats = branch_advantages(learner, all_r, plan.group_ids, it, trained, steps)
+    with ph("update"):
+        mine_adv = dist.local_rows(adv_all)
+        traj, adv, mask = branch_trajectory(anchor, amap, branches, mine_adv, list(mine.prompts), list(mine.meta))
+        w = learner.weighting.weights(learner.sampler, grid, trained, None)  # noise: TempFlow's σ√Δt weights
+        groups = mine.group_ids.repeat_interleave(k_br * len(trained))
+        upd = update(learner, traj, adv, None, it, trained, w, groups, False, mask=mask)
+        obj.end_iteration(learner)
+    upd["train/nonfinite_rewards"] = float(dropped.sum())
+    upd["train/branch_rows"] = float(dist.all_sum(traj.batch_size))
+    summary = torch.zeros(len(plan), steps, dtype=torch.float32)
+    if trained:
+        summary[:, trained] = adv_all.mean(1)
+    return IterationResult(plan, scores, rewards, AdvantageOut(summary, None, stats), upd, ph, True, ~dropped)
 
 
 def _estimate(learner: Learner, traj: Trajectory, need: list[int]) -> Tensor | None:

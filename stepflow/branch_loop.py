@@ -1,5 +1,5 @@
-"""The iteration of the branch-rollout credits: TempFlow-GRPO and Granular-GRPO (``advantage=tempflow | g2rpo``;
-docs/method.md §13).
+"""The pieces of the branch-rollout iteration (:func:`stepflow.algorithm.branch_iteration`): TempFlow-GRPO and
+Granular-GRPO (``advantage=tempflow | g2rpo``; docs/method.md §13).
 
 Where :func:`stepflow.algorithm.iteration` rolls out B trajectories and credits their own steps, these methods
 roll out a deterministic **anchor** (the Euler ODE) and, at every trained step k, let each rollout row draw K SDE
@@ -23,18 +23,15 @@ The logged ``train/reward_step{k}`` is the mean reward of the branches at step k
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 from torch import Tensor
 
-from stepflow.advantage import AdvantageOut
-from stepflow.branch import Branches, branch_at
+from stepflow.branch import Branches
 from stepflow.data import IterationPlan
-from stepflow.errors import NonFiniteRewardsError, StopRequested
-from stepflow.rollout import Scores, Trajectory, _decode, rollout
+from stepflow.errors import NonFiniteRewardsError
+from stepflow.rollout import Scores, Trajectory, _decode
 
-__all__ = ["branch_iteration", "anchor_rows", "branch_trajectory"]
+__all__ = ["anchor_rows", "branch_trajectory", "score_branches", "branch_advantages"]
 
 
 def anchor_rows(plan: IterationPlan) -> tuple[IterationPlan, Tensor]:
@@ -89,56 +86,7 @@ def branch_trajectory(anchor: Trajectory, amap: Tensor, branches: list[Branches]
     return traj, a, mask
 
 
-def branch_iteration(learner, it: int):
-    """Iteration ``it`` of a branch-rollout credit (module docstring); returns an
-    :class:`stepflow.algorithm.IterationResult` like :func:`stepflow.algorithm.iteration`."""
-    import stepflow.algorithm as alg
-    from stepflow.algorithm import IterationResult, Phases, _stop_point
-
-    plan = learner.plan.plan(it)
-    mine = plan.shard(learner.dist.rank, learner.dist.world)
-    pol, cfg, dist = learner.policy, learner.advantage.cfg, learner.dist
-    steps, ph, grid = learner.loop.num_steps, Phases(learner.policy), learner.grid()
-    obj = learner.objective
-    trained = obj.trained_steps(learner.train, learner.sampler, grid, None)
-    k_br, grans = int(cfg.branches), tuple(cfg.granularities)
-    pol.eval()
-    _stop_point(learner)
-    with obj.behaviour():
-        with ph("rollout"):  # the ODE anchors, one per (prompt, initial noise)
-            anchors_plan, amap = anchor_rows(mine)
-            anchor = rollout(pol, anchors_plan, learner.sampler, steps, learner.guidance, sde_steps=[], grid=grid)
-        _stop_point(learner)
-        with ph("estimate"):  # K SDE branches of every row at every trained step, each completed by the ODE
-            lat, vel, cond = anchor.latents[amap], anchor.velocities[amap], anchor.cond.index(amap)
-            branches = []
-            for k in trained:
-                branches.append(branch_at(pol, lat, vel, anchor.times, cond, k, learner.sampler, k_br,
-                                          mine.step_noise_seeds, learner.guidance, grans))
-                _stop_point(learner)
-    with ph("reward"), contextlib.suppress(StopRequested):
-        scores, branch_r = _score(learner, anchor, amap, branches, mine)
-    _stop_point(learner)
-    with ph("advantage"):
-        rewards = dist.gather_rows(scores.rewards)
-        all_r = dist.gather_rows(branch_r)  # (B_global, K, S, G)
-        adv_all, dropped, stats = _branch_advantages(learner, all_r, plan.group_ids, it, trained, steps)
-    with ph("update"):
-        mine_adv = dist.local_rows(adv_all)
-        traj, adv, mask = branch_trajectory(anchor, amap, branches, mine_adv, list(mine.prompts), list(mine.meta))
-        w = learner.weighting.weights(learner.sampler, grid, trained, None)  # noise: TempFlow's σ√Δt weights
-        groups = mine.group_ids.repeat_interleave(k_br * len(trained))
-        upd = alg.update(learner, traj, adv, None, it, trained, w, groups, False, mask=mask)
-        obj.end_iteration(learner)
-    upd["train/nonfinite_rewards"] = float(dropped.sum())
-    upd["train/branch_rows"] = float(dist.all_sum(traj.batch_size))
-    summary = torch.zeros(len(plan), steps, dtype=torch.float32)
-    if trained:
-        summary[:, trained] = adv_all.mean(1)
-    return IterationResult(plan, scores, rewards, AdvantageOut(summary, None, stats), upd, ph, True, ~dropped)
-
-
-def _score(learner, anchor: Trajectory, amap: Tensor, branches: list[Branches], plan: IterationPlan):
+def score_branches(learner, anchor: Trajectory, amap: Tensor, branches: list[Branches], plan: IterationPlan):
     """One reward call over every branch's completed image (row i, branch j, step s, granularity g) and the
     anchors' final images. Returns the rows' :class:`~stepflow.rollout.Scores` ((B, T+1): the mean reward of the
     branches at each trained step over the first granularity, R_T the row's anchor image, components the anchor
@@ -168,7 +116,7 @@ def _score(learner, anchor: Trajectory, amap: Tensor, branches: list[Branches], 
     return Scores(rewards, comps, images=len(images)), branch_r
 
 
-def _branch_advantages(learner, rewards: Tensor, group_ids: Tensor, it: int, trained: list[int], steps: int):
+def branch_advantages(learner, rewards: Tensor, group_ids: Tensor, it: int, trained: list[int], steps: int):
     """The branch advantages (B, K, S) of every rank's rows; a row with a NaN / inf branch reward is dropped (all its
     branches get advantage 0 and leave the statistics); more than ``loop.max_nonfinite_frac`` dropped rows stop the
     run. Returns (advantages, dropped (B,) bool, stats)."""
