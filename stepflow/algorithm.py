@@ -405,6 +405,7 @@ def update(learner: Learner, traj: Trajectory, adv: Tensor, x0_hat: Tensor | Non
     params = list(pol.trainable_parameters())
     stats = _Stats()  # row-weighted sums, detached 0-d tensors: no host sync until the end of the update
     pol.train()
+
     def optimizer_step() -> None:
         dist.all_reduce_grads(params)
         norm = clip_and_step(learner, params, o.max_grad_norm)
@@ -417,10 +418,6 @@ def update(learner: Learner, traj: Trajectory, adv: Tensor, x0_hat: Tensor | Non
     for chunk in chunks:
         n_global = dist.all_sum(len(chunk))
         if n_global == 0:
-            continue
-        if o.update_per_step:  # Granular-GRPO: an optimizer step per term, over the chunk's rows that train it
-            _term_steps(learner, todo, chunk, subset, weights, step_loss_fn=lambda k, mb: step_loss(
-                learner, traj, adv, k, mb, times, x0_hat), stats=stats, optimizer_step=optimizer_step)
             continue
         learner.optimizer.zero_grad(set_to_none=True)
         mbs = [mb for mb in chunk.split(o.micro_batch_size) if len(mb)]  # a rank may hold none of a chunk's rows
@@ -442,6 +439,20 @@ def update(learner: Learner, traj: Trajectory, adv: Tensor, x0_hat: Tensor | Non
                 if real:
                     stats.add_terms(out, len(mb), k)
 
+        if o.update_per_step:  # Granular-GRPO: an optimizer step per term, each the mean over the rows that train it
+            for j, k in enumerate(todo):
+                rows_j = chunk if subset is None else chunk[subset[chunk, j]]
+                n_j = dist.all_sum(len(rows_j))
+                if n_j == 0:  # no row of any rank trains this term: no step
+                    continue
+                learner.optimizer.zero_grad(set_to_none=True)
+                mbs_j = [mb for mb in rows_j.split(o.micro_batch_size) if len(mb)]
+                pad = [torch.zeros(1, dtype=torch.long)] * (int(dist.all_max(len(mbs_j))) - len(mbs_j)
+                                                            if dist.lockstep else 0)
+                with dist.accumulating():
+                    terms(k, mbs_j, 1.0 if weights is None else float(weights[j]), last=True, n_global=n_j, pads=pad)
+                optimizer_step()
+            continue
         if learner.weighting.per_step:
             _per_step_update(learner, todo, chunk, n_global, mbs, groups, terms, params, stats.plain, measure)
         elif subset is not None:  # term j over the chunk's rows that drew it; each (row, term) pair 1/(N·per_row)
@@ -475,36 +486,6 @@ def update(learner: Learner, traj: Trajectory, adv: Tensor, x0_hat: Tensor | Non
         if q95 < float("inf"):  # Cochran's Q over its 95 % point: the weights leave uniform above 1
             res["train/signal_heterogeneity"], res["train/signal_tau2"] = q / q95, tau2
     return res
-
-
-def _term_steps(learner: Learner, todo: list[int], chunk: Tensor, subset: Tensor | None, weights: Tensor | None,
-                step_loss_fn, stats: _Stats, optimizer_step) -> None:
-    """``train.update_per_step`` (Granular-GRPO, fastvideo/train_g2rpo_hps.py ``train_one_step``: the loop over the
-    trained steps calls ``optimizer.step()`` each time): for each term j in order, the mean loss over the chunk's
-    rows that train it (all rows without ``subset``), times ``weights[j]``, and an optimizer step. A term no row of
-    any rank trains takes no step. Under FSDP2 / DeepSpeed every rank runs as many micro-batches as the rank with
-    most (the extra ones at loss weight 0)."""
-    o, dist = learner.train, learner.dist
-    for j, k in enumerate(todo):
-        rows = chunk if subset is None else chunk[subset[chunk, j]]
-        n_j = dist.all_sum(len(rows))
-        if n_j == 0:
-            continue
-        learner.optimizer.zero_grad(set_to_none=True)
-        mbs = [mb for mb in rows.split(o.micro_batch_size) if len(mb)]
-        pads = [torch.zeros(1, dtype=torch.long)] * (
-            int(dist.all_max(len(mbs))) - len(mbs) if dist.lockstep else 0)
-        batches = [(mb, True) for mb in mbs] + [(mb, False) for mb in pads]
-        scale = 1.0 if weights is None else float(weights[j])
-        with dist.accumulating():
-            for i, (mb, real) in enumerate(batches):
-                out = step_loss_fn(k, mb)
-                w = scale * len(mb) / n_j * dist.grad_scale if real else 0.0
-                dist.boundary(i == len(batches) - 1)
-                learner.backward(out.pop("loss") * w)
-                if real:
-                    stats.add_terms(out, len(mb), k)
-        optimizer_step()
 
 
 def steps_per_sample(num_terms: int, fraction: float) -> int:
