@@ -404,8 +404,8 @@ class AdvantageEstimator:
         raw = adv
         adv = adv.clamp(-cfg.adv_clip, cfg.adv_clip)
         stats = self._stats(raw, adv, g, rewards, group_ids,
-                            sorted(trained or []) if cfg.effective_over == "trained" else
-                            (sorted(trained or []) if cfg.scheme == "turning_point" else None))
+                            sorted(trained or []) if cfg.effective_over == "trained" or cfg.scheme == "turning_point"
+                            else None)
         if cfg.scheme == "turning_point":
             stats["turning_frac"] = turning
         return AdvantageOut(advantages=adv, gains=None if g is None else g.to(torch.float32), stats=stats)
