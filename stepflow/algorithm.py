@@ -146,16 +146,18 @@ def iteration(learner: Learner, it: int) -> IterationResult:
     obj = learner.objective
     trained = obj.trained_steps(learner.train, learner.sampler, grid, sde)  # steps (forward objectives: times)
     need = states_needed(learner, trained, it)  # the states whose rewards the credit (and the log) read
+    keep, budget = retained_steps(learner, trained)  # loop.retain_graph: the steps whose graphs the rollout keeps
     learner.policy.eval()
     _stop_point(learner)
     if learner.loop.overlap_reward:  # the same three phases, chunk by chunk, each chunk's reward call in a thread
         with obj.behaviour():
-            traj, x0_hat, scores = _rollout_and_score_overlapped(learner, mine, need, sde, ph, grid, tail)
+            traj, x0_hat, scores = _rollout_and_score_overlapped(learner, mine, need, sde, ph, grid, tail, keep, budget)
     else:
         with obj.behaviour():  # the behaviour policy's weights (DiffusionNFT: the old copy; else the current ones)
-            with ph("rollout"):  # X_0 .. X_D and log π_old under the sampler, no grad (D: the last state needed)
+            with ph("rollout"):  # X_0 .. X_D and log π_old under the sampler (D: the last state needed); no grad
+                # but at the kept steps (loop.retain_graph)
                 traj = rollout(learner.policy, mine, learner.sampler, steps, learner.guidance, depth=max(need),
-                               sde_steps=sde, grid=grid, tail=tail)
+                               sde_steps=sde, grid=grid, tail=tail, keep=keep, keep_budget_gib=budget)
             _stop_point(learner)
             with ph("estimate"):  # x̂0 of the needed states by T′ Euler substeps (none for uniform credit)
                 x0_hat = _estimate(learner, traj, need)
@@ -174,7 +176,52 @@ def iteration(learner: Learner, it: int) -> IterationResult:
                      measure, seeds=mine.step_noise_seeds)
         obj.end_iteration(learner)  # its weight copies move toward the new weights
     upd["train/nonfinite_rewards"] = float(dropped.sum())
+    if learner.loop.retain_graph is not False:  # which the update did: 1 = from the kept graphs, 0 = recomputed
+        upd.update(_retain_metrics(learner, traj, keep))
     return IterationResult(plan, scores, rewards, adv, upd, ph, x0_hat is not None, ~dropped)
+
+
+def retained_steps(learner: Learner, trained: list[int]) -> tuple[list[int] | None, float | None]:
+    """``loop.retain_graph`` (:mod:`stepflow.retain`): the trained steps whose graphs the rollout keeps (None: the
+    update recomputes) and the GiB budget of ``auto`` (None: no budget). ``true`` where it cannot apply raises the
+    one-line reason (``stepflow.train.settings`` refuses such settings before anything loads); ``auto`` falls back
+    to recomputation, logging why once."""
+    from stepflow import retain
+
+    m = retain.mode(learner.loop.retain_graph)
+    if m == "off" or not trained:
+        return None, None
+    why = retain.why_not_at_runtime(learner)
+    if why is not None:
+        if m == "on":
+            raise ValueError(f"loop.retain_graph=true: {why}; set loop.retain_graph=false (or auto)")
+        _log_once(learner, f"loop.retain_graph=auto: the update recomputes: {why}")
+        return None, None
+    return list(trained), (float(learner.loop.retain_max_gib) if m == "auto" else None)
+
+
+def _retain_metrics(learner: Learner, traj: Trajectory, keep: list[int] | None) -> dict[str, float]:
+    if keep is not None and traj.kept is None and traj.kept_refused:
+        _log_once(learner, f"loop.retain_graph=auto: the update recomputes: {traj.kept_refused}")
+    out = {"train/retained": float(learner.dist.all_sum(1.0 if traj.kept is not None else 0.0) == learner.dist.world)}
+    if traj.kept is not None:
+        out["mem/retained_gib"] = float(traj.kept_gib)
+    return out
+
+
+def retain_why(learner: Learner) -> str:
+    from stepflow.retain import why_not_at_runtime
+
+    return why_not_at_runtime(learner) or "updates_per_iter > 1"
+
+
+def _log_once(learner: Learner, msg: str) -> None:
+    import logging
+
+    seen = learner.__dict__.setdefault("_logged", set())
+    if msg not in seen:
+        seen.add(msg)
+        logging.getLogger("stepflow.train").info(msg)
 
 
 def branch_iteration(learner, it: int):
@@ -241,7 +288,8 @@ def _estimate(learner: Learner, traj: Trajectory, need: list[int]) -> Tensor | N
 
 
 def _rollout_and_score_overlapped(learner: Learner, plan: IterationPlan, need: list[int], sde, ph: Phases,
-                                  grid: Tensor | None = None, tail: Tensor | None = None):
+                                  grid: Tensor | None = None, tail: Tensor | None = None, keep: list[int] | None = None,
+                                  budget: float | None = None):
     """Rollout, estimates and decoding of ``loop.overlap_chunks`` chunks of the rows in turn, each chunk's reward
     call submitted to a thread as soon as its images exist; the "reward" phase is what is left to wait for at the
     end. Same trajectories, rewards and NFEs as the sequential phases (rows are seeded one by one)."""
@@ -257,7 +305,8 @@ def _rollout_and_score_overlapped(learner: Learner, plan: IterationPlan, need: l
             sub = plan.rows(slice(s, s + size))
             with ph("rollout"):
                 part = rollout(learner.policy, sub, learner.sampler, learner.loop.num_steps, learner.guidance,
-                               depth=max(need), sde_steps=sde, grid=grid, tail=tail)
+                               depth=max(need), sde_steps=sde, grid=grid, tail=tail, keep=keep,
+                               keep_budget_gib=None if budget is None else budget * len(sub) / n)
             with ph("estimate"):
                 est = _estimate(learner, part, need)
                 futures.append(score(learner.policy, learner.reward, part, est, learner.loop.decode_chunk, states=need,
@@ -404,9 +453,18 @@ def update(learner: Learner, traj: Trajectory, adv: Tensor, x0_hat: Tensor | Non
     times = traj.times.to(pol.device)
     params = list(pol.trainable_parameters())
     stats = _Stats()  # row-weighted sums, detached 0-d tensors: no host sync until the end of the update
+    # loop.retain_graph: the terms' velocities are the rollout's, with their graphs; their losses are summed and
+    # back-propagated once per optimizer step (a graph is freed by its first backward)
+    pending: list[Tensor] | None = [] if traj.kept is not None else None
+    if pending is not None and (len(chunks) > 1 or o.update_per_step or learner.weighting.per_step):
+        raise ValueError(f"loop.retain_graph: the rollout's graphs serve one optimizer step over every term; "
+                         f"{retain_why(learner)}")
     pol.train()
 
     def optimizer_step() -> None:
+        if pending:  # the kept graphs: one backward of every term's weighted loss
+            learner.backward(torch.stack(pending).sum())
+            pending.clear()
         dist.all_reduce_grads(params)
         norm = clip_and_step(learner, params, o.max_grad_norm)
         if norm is not None:
@@ -435,7 +493,10 @@ def update(learner: Learner, traj: Trajectory, adv: Tensor, x0_hat: Tensor | Non
                 # averaged over the steps
                 w = scale * len(mb) / n_global * dist.grad_scale if real else 0.0
                 dist.boundary(last and i == len(batches) - 1)  # DeepSpeed: reduce and step after the chunk's last
-                learner.backward(out.pop("loss") * w)
+                if pending is not None:
+                    pending.append(out.pop("loss") * w)
+                else:
+                    learner.backward(out.pop("loss") * w)
                 if real:
                     stats.add_terms(out, len(mb), k)
 

@@ -99,8 +99,21 @@ class LoopConfig:
     #: the shift of ``time_grid=fastvideo`` (null: the policy's ``shift``, 1.0 for the shapes model, 3.0 for SD3.5;
     #: DanceGRPO's FLUX scripts: 3)
     grid_shift: float | None = None
+    #: on-policy updates train from the rollout's own forward pass (LeanGRPO's Retain; docs/method.md §14): the
+    #: rollout evaluates the trained steps with gradients and keeps their graphs, and the update back-propagates the
+    #: loss through them instead of running the transformer again. false | true (refused, one line, where it cannot
+    #: apply: several optimizer steps per rollout, the forward-process objectives, branch credits, per-step gradient
+    #: weightings, FSDP2 / DeepSpeed, LoRA dropout) | auto (on where it applies and the kept activations fit
+    #: ``retain_max_gib``, measured on the first kept step; else recomputation; train/retained says which)
+    retain_graph: Any = False  # typed loosely: true / false / auto, checked below
+    retain_max_gib: float = 8.0  #: retain_graph=auto: the most GiB of kept activations per rank
 
     def __post_init__(self) -> None:
+        _need(self.retain_graph in (False, True, "auto") and (isinstance(self.retain_graph, bool)
+                                                               or self.retain_graph == "auto"),
+              f"retain_graph: must be true, false or auto, got {self.retain_graph!r}")
+        _need(isinstance(self.retain_max_gib, (int, float)) and not isinstance(self.retain_max_gib, bool)
+              and self.retain_max_gib > 0, f"retain_max_gib: must be a number > 0 (GiB), got {self.retain_max_gib!r}")
         _need(_is_int(self.seed) and self.seed >= 0, f"seed: must be an integer >= 0, got {self.seed!r}")
         _need(_is_int(self.iterations) and self.iterations >= 1, f"iterations: must be an integer >= 1, got {self.iterations!r}")
         _need(self.prompts_per_iter >= 1, f"prompts_per_iter: must be >= 1, got {self.prompts_per_iter}")

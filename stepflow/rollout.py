@@ -58,6 +58,11 @@ class Trajectory:
     meta: list[dict[str, Any]]
     tail_start: int | None = None
     tail_times: Tensor | None = None
+    #: ``loop.retain_graph`` (:mod:`stepflow.retain`): step k -> the rollout's velocity at (X_k, τ_k) (B, C, H, W)
+    #: with its autograd graph, for the on-policy update to back-propagate through; None: the update recomputes
+    kept: dict[int, Tensor] | None = None
+    kept_gib: float = 0.0  #: the activations those graphs hold (GiB, measured by :class:`stepflow.retain.SavedBytes`)
+    kept_refused: str | None = None  #: why a retained rollout fell back to recomputation (``retain_graph=auto``)
 
     @property
     def absent_states(self) -> list[int]:
@@ -97,11 +102,16 @@ class Trajectory:
             if p.tail_start != first.tail_start or (p.tail_times is None) != (first.tail_times is None) or (
                     p.tail_times is not None and not torch.equal(p.tail_times, first.tail_times)):
                 raise ValueError("Trajectory.cat: the parts ran different MixGRPO-Flash tails")
+        kept = None  # every part kept the same steps, or none is kept (the graphs of the others are let go)
+        if all(p.kept is not None for p in parts) and len({tuple(sorted(p.kept)) for p in parts}) == 1:
+            kept = {k: torch.cat([p.kept[k] for p in parts]) for k in first.kept}
+        refused = next((p.kept_refused for p in parts if p.kept_refused), None)
         return Trajectory(latents=torch.cat([p.latents for p in parts]), velocities=torch.cat([p.velocities for p in parts]),
                           log_probs=torch.cat([p.log_probs for p in parts]), trainable=torch.cat([p.trainable for p in parts]),
                           times=first.times, cond=Cond.cat([p.cond for p in parts]),
                           prompts=[x for p in parts for x in p.prompts], meta=[x for p in parts for x in p.meta],
-                          tail_start=first.tail_start, tail_times=first.tail_times)
+                          tail_start=first.tail_start, tail_times=first.tail_times, kept=kept,
+                          kept_gib=sum(p.kept_gib for p in parts) if kept is not None else 0.0, kept_refused=refused)
 
 
 @dataclass(frozen=True)
@@ -133,7 +143,8 @@ def sampling_grid(policy: FlowPolicy, num_steps: int, kind: str = "model", shift
 @torch.no_grad()
 def rollout(policy: FlowPolicy, plan: IterationPlan, sampler: SamplerConfig, num_steps: int,
             guidance: float, depth: int | None = None, sde_steps: list[int] | None = None,
-            grid: Tensor | None = None, tail: Tensor | None = None) -> Trajectory:
+            grid: Tensor | None = None, tail: Tensor | None = None, keep: Sequence[int] | None = None,
+            keep_budget_gib: float | None = None) -> Trajectory:
     """Encode the plan's prompts and sample its B trajectories with ``sampler`` under the current weights (π_old),
     for ``depth`` steps of the T-step grid (default all T): ``grid`` (T+1,) (default ``policy.time_grid(num_steps)``;
     :func:`sampling_grid`), stored as ``Trajectory.times``, which is what the update steps on.
@@ -156,7 +167,15 @@ def rollout(policy: FlowPolicy, plan: IterationPlan, sampler: SamplerConfig, num
     States ``last + 2 .. T − 1`` do not exist: NaN, with NaN velocities, log-prob 0, untrainable
     (``Trajectory.absent_states``); the velocity of ``X_{last+1}`` is the tail's first evaluation. Needs a non-empty
     ``sde_steps`` and the whole depth. NFEs: ``last + 1`` grid steps + ``len(tail) − 1`` tail steps.
+
+    ``keep`` (``loop.retain_graph``, :mod:`stepflow.retain`): the steps whose velocity is evaluated with gradients
+    and kept with its graph in ``Trajectory.kept`` (the trajectory itself is built from the detached values, so it is
+    the same as without). ``keep_budget_gib``: when the kept activations, projected from the steps kept so far to
+    all of ``keep``, exceed it, the graphs are let go and the rollout goes on without (``Trajectory.kept`` None,
+    ``kept_refused`` says why).
     """
+    from stepflow.retain import SavedBytes
+
     device = policy.device
     b = len(plan)
     cond = policy.encode(plan.prompts)
@@ -183,8 +202,23 @@ def rollout(policy: FlowPolicy, plan: IterationPlan, sampler: SamplerConfig, num
     lat, vel, lps, trn = [x], [], [], []
     multistep = sampler.name == "dpm2"
     x0_prev = None  # dpm2: the x̂0 of the previous state
+    keep = sorted({int(k) for k in keep}) if keep else []
+    kept: dict[int, Tensor] | None = {} if keep else None
+    kept_bytes, refused = 0, None
+    weights = list(policy.parameters()) if keep and isinstance(policy, torch.nn.Module) else []
     for k in range(num_steps if depth is None else depth):
-        v = policy.velocity(x, times[k], cond, guidance)
+        if kept is not None and k in keep:
+            with torch.enable_grad(), SavedBytes(weights) as saved:
+                v_graph = policy.velocity(x, times[k], cond, guidance)
+            kept[k], kept_bytes = v_graph, kept_bytes + saved.bytes
+            projected = kept_bytes / len(kept) * len(keep) / 2**30
+            if keep_budget_gib is not None and projected > keep_budget_gib:
+                refused = (f"the kept activations would take {projected:.2f} GiB (measured on {len(kept)} of "
+                           f"{len(keep)} steps) > loop.retain_max_gib={keep_budget_gib:g}")
+                kept, kept_bytes = None, 0
+            v = v_graph.detach()
+        else:
+            v = policy.velocity(x, times[k], cond, guidance)
         cfg = sampler if sde_steps is None or k in sde_steps else _ODE
         if cfg.name == "dpm2":
             out = dpm2_step(x, v, times[k], times[k + 1], order=dpm_order(k, num_steps), x0_prev=x0_prev,
@@ -211,7 +245,7 @@ def rollout(policy: FlowPolicy, plan: IterationPlan, sampler: SamplerConfig, num
     return Trajectory(latents=torch.stack(lat, 1), velocities=torch.stack(vel, 1), log_probs=torch.stack(lps, 1),
                       trainable=torch.stack(trn, 1), times=times, cond=cond, prompts=list(plan.prompts),
                       meta=list(plan.meta), tail_start=None if last is None else last + 1,
-                      tail_times=tail)
+                      tail_times=tail, kept=kept, kept_gib=kept_bytes / 2**30, kept_refused=refused)
 
 
 @torch.no_grad()

@@ -180,7 +180,28 @@ def settings(cfg: DictConfig) -> Settings:
     check_step_subset(s)
     check_post_solver(s)
     check_branches(s)
+    check_retain(s, cfg)
     return s
+
+
+def check_retain(s: Settings, cfg: DictConfig) -> None:
+    """``loop.retain_graph=true`` where the update cannot train from the rollout's graphs
+    (:func:`stepflow.retain.why_not`) is one line before anything loads; ``auto`` falls back at run time."""
+    from stepflow import retain
+    from stepflow.advantage import BRANCH_SCHEMES
+    from stepflow.dist import strategy_kind_of_config
+    from stepflow.objectives import _CLASSES
+    from stepflow.weighting import build_weighting
+
+    if retain.mode(s.loop.retain_graph) != "on":
+        return
+    per_step = s.train.weighting if build_weighting(s.train.weighting).per_step else None
+    why = retain.why_not(updates_per_iter=s.train.updates_per_iter, update_per_step=s.train.update_per_step,
+                         forward_process=_CLASSES[s.objective.name].forward_process,
+                         branched=s.advantage.scheme if s.advantage.scheme in BRANCH_SCHEMES else None,
+                         per_step_weighting=per_step, strategy=strategy_kind_of_config(cfg.get("trainer")))
+    if why is not None:
+        raise StepflowError(f"loop.retain_graph=true: {why}; set loop.retain_graph=false (or auto)")
 
 
 def check_branches(s: Settings) -> None:

@@ -19,7 +19,18 @@ from stepflow.config import ObjectiveConfig, TrainConfig
 from stepflow.ema import ParamCopy
 from stepflow.sde import SamplerConfig, step_std
 
-__all__ = ["Objective", "ForwardObjective", "trainable_steps"]
+__all__ = ["Objective", "ForwardObjective", "trainable_steps", "policy_velocity"]
+
+
+def policy_velocity(learner: Any, traj: Any, k: int, rows: Tensor, x_k: Tensor, t: Tensor, cond: Any) -> Tensor:
+    """The policy's velocity at the rollout's state (X_k, τ_k) of ``rows`` (R, C, H, W), with gradients: the one the
+    rollout kept with its graph (``loop.retain_graph``, :mod:`stepflow.retain`) when it kept step k, else a new
+    forward pass (the recomputation)."""
+    kept = getattr(traj, "kept", None)
+    if kept is not None and k in kept:
+        v = kept[k]
+        return v[rows.to(v.device)]
+    return learner.policy.velocity(x_k, t, cond, learner.guidance)
 
 
 def trainable_steps(train: TrainConfig, sampler: SamplerConfig, times: Tensor, density: bool = True,

@@ -8,7 +8,7 @@ import torch
 from torch import Tensor
 
 from stepflow.loss import distill_loss, guard_log_ratio, policy_loss
-from stepflow.objectives.base import Objective
+from stepflow.objectives.base import Objective, policy_velocity
 from stepflow.sde import sde_step
 
 __all__ = ["Grpo", "Distill"]
@@ -33,7 +33,7 @@ class Grpo(Objective):
             with torch.no_grad(), pol.reference():  # π_ref: the LoRA disabled, or the frozen initial transformer
                 v_ref = pol.velocity(x_k, t, cond, learner.guidance)
                 ref_mean = sde_step(learner.sampler, x_k, v_ref, t, t_next, t_guard=times[1], prev_sample=x_next).mean
-        v = pol.velocity(x_k, t, cond, learner.guidance)
+        v = policy_velocity(learner, traj, k, rows, x_k, t, cond)  # kept by the rollout, or recomputed
         a = adv[rows, k].to(dev)
         out = sde_step(learner.sampler, x_k, v, t, t_next, t_guard=times[1], prev_sample=x_next)
         lp, lp_old = out.log_prob, traj.log_probs[rows, k].to(dev)
@@ -70,7 +70,7 @@ class Distill(Objective):
         pol, dev, k = learner.policy, learner.policy.device, term
         x_k = traj.latents[rows, k].to(dev)
         t = times[k]
-        v = pol.velocity(x_k, t, traj.cond.index(rows).to(dev), learner.guidance)
+        v = policy_velocity(learner, traj, k, rows, x_k, t, traj.cond.index(rows).to(dev))
         a: Tensor = adv[rows, k].to(dev)
         target = x0_hat[rows, min(k + 2, traj.num_steps)].to(dev)
         loss = distill_loss(x_k - t * v, target, a, weight=self.cfg.weight, temperature=self.cfg.temperature)

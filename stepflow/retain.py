@@ -1,0 +1,103 @@
+"""``loop.retain_graph``: on-policy updates from the rollout's own forward pass (LeanGRPO's Retain; docs/method.md §14).
+
+With one optimizer step per rollout the weights the update differentiates are the weights that rolled out, so the
+velocity the loss needs at each trained state (X_k, τ_k) is the one the rollout already computed. With retain on, the
+rollout evaluates the trained steps with gradients and keeps their graphs (:attr:`stepflow.rollout.Trajectory.kept`);
+the update's loss reads those velocities and back-propagates once through all of them, instead of running the
+transformer again on every trained state. The loss is unchanged: the ratio ρ = π_θ/π_old is exactly 1 (and the clip
+inactive, as it is at the first on-policy step with recomputation), the KL reference's forward still runs in the update
+(it needs the reference weights, not the rollout's), and the gradient is the same sum of the same terms.
+
+What it needs (:func:`why_not`): one optimizer step per rollout; an objective that trains at the rollout's own states
+(GRPO, distill; the forward-process objectives train at re-noised points the rollout never visited); the rollout's
+own trajectories (not the branch credits' ODE anchors and branches); one backward over every term (not the per-step
+gradient weightings, which back-propagate each step apart); unsharded weights (FSDP2 / DeepSpeed reshard between a
+forward and its backward, and the rollout's later no-grad forwards would run in between); no active dropout (the
+rollout runs in eval mode, the update in train mode).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+__all__ = ["SavedBytes", "why_not", "why_not_at_runtime", "mode"]
+
+
+class SavedBytes:
+    """Bytes of the activations autograd saves for backward inside the block (``with SavedBytes(params) as s: ...;
+    s.bytes``), through :func:`torch.autograd.graph.saved_tensors_hooks`. Tensors on the storage of one of
+    ``params`` (the weights, and views of them such as a transposed matrix) are not counted, nor the same tensor
+    twice (same data pointer, shape and dtype)."""
+
+    def __init__(self, params=()) -> None:
+        self.bytes = 0
+        self._weights = {p.untyped_storage().data_ptr() for p in params}
+        self._seen: set[tuple] = set()
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+
+    def _pack(self, t: Tensor) -> Tensor:
+        if t.layout == torch.strided and t.untyped_storage().data_ptr() not in self._weights:
+            key = (t.data_ptr(), tuple(t.shape), t.dtype)
+            if key not in self._seen:
+                self._seen.add(key)
+                self.bytes += t.numel() * t.element_size()
+        return t
+
+    def __enter__(self) -> SavedBytes:
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._hooks.__exit__(*exc)
+
+
+def why_not(*, updates_per_iter: int, update_per_step: bool, forward_process: bool, branched: str | None,
+            per_step_weighting: str | None, strategy: str, dropout: float = 0.0) -> str | None:
+    """Why the update cannot train from the rollout's graphs under these settings (None: it can). Each reason is
+    the second half of a one-line error: ``loop.retain_graph=true: <reason>``."""
+    if updates_per_iter > 1:
+        return (f"train.updates_per_iter={updates_per_iter} takes several optimizer steps per rollout (off-policy after "
+                "the first: the weights that rolled out are not those the later steps differentiate)")
+    if update_per_step:
+        return ("train.update_per_step=true takes one optimizer step per trained step (off-policy after the first "
+                "step)")
+    if forward_process:
+        return ("the forward-process objectives train at re-noised points the rollout never evaluated: there is no "
+                "forward pass to reuse")
+    if branched:
+        return (f"advantage={branched} trains branches of ODE anchors, whose SDE steps the rollout's forward pass does "
+                "not produce")
+    if per_step_weighting:
+        return (f"train.weighting={per_step_weighting} back-propagates each step's loss apart, the kept graphs once "
+                "(use train.weighting=none, noise, gain_var, guard or guard_released)")
+    if strategy in ("fsdp", "deepspeed"):
+        return (f"the {strategy} strategy reshards the weights between a forward and its backward, and the rollout's "
+                "later forwards would run in between")
+    if dropout > 0:
+        return (f"dropout {dropout:g} is active in training mode only, so the rollout's forward (eval mode) is not the "
+                "update's")
+    return None
+
+
+def why_not_at_runtime(learner) -> str | None:
+    """:func:`why_not` for a built :class:`stepflow.algorithm.Learner` (its dist's strategy, the policy's own dropout
+    modules)."""
+    o, obj = learner.train, learner.objective
+    per_step = learner.weighting.name if learner.weighting.per_step else None
+    drop = max((m.p for m in _modules(learner.policy) if isinstance(m, torch.nn.Dropout)), default=0.0)
+    return why_not(updates_per_iter=o.updates_per_iter, update_per_step=o.update_per_step,
+                   forward_process=obj.forward_process,
+                   branched=learner.advantage.cfg.scheme if learner.advantage.branched else None,
+                   per_step_weighting=per_step, strategy=learner.dist.kind, dropout=float(drop))
+
+
+def _modules(policy):
+    """The modules the velocity runs (the transformer; the conditioning comes encoded from the rollout)."""
+    net = getattr(policy, "transformer", policy)
+    return net.modules() if isinstance(net, torch.nn.Module) else []
+
+
+def mode(value) -> str:
+    """``loop.retain_graph`` as ``off`` | ``on`` | ``auto``."""
+    return "auto" if value == "auto" else ("on" if value is True else "off")
