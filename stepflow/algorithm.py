@@ -60,6 +60,7 @@ class Learner:
     window: Any = None  #: a stepflow.window.WindowConfig, or None (every step follows the sampler)
     objective: Objective | None = None  #: what the update minimises (None: GRPO with ``train``'s settings)
     weighting: Weighting = field(default_factory=Weighting)  #: how the trained steps' terms are combined
+    logged: set = field(default_factory=set, repr=False)  #: the one-time messages already logged
 
     def __post_init__(self) -> None:
         if self.objective is None:
@@ -209,18 +210,11 @@ def _retain_metrics(learner: Learner, traj: Trajectory, keep: list[int] | None) 
     return out
 
 
-def retain_why(learner: Learner) -> str:
-    from stepflow.retain import why_not_at_runtime
-
-    return why_not_at_runtime(learner) or "updates_per_iter > 1"
-
-
 def _log_once(learner: Learner, msg: str) -> None:
     import logging
 
-    seen = learner.__dict__.setdefault("_logged", set())
-    if msg not in seen:
-        seen.add(msg)
+    if msg not in learner.logged:
+        learner.logged.add(msg)
         logging.getLogger("stepflow.train").info(msg)
 
 
@@ -457,8 +451,10 @@ def update(learner: Learner, traj: Trajectory, adv: Tensor, x0_hat: Tensor | Non
     # back-propagated once per optimizer step (a graph is freed by its first backward)
     pending: list[Tensor] | None = [] if traj.kept is not None else None
     if pending is not None and (len(chunks) > 1 or o.update_per_step or learner.weighting.per_step):
+        from stepflow.retain import why_not_at_runtime
+
         raise ValueError(f"loop.retain_graph: the rollout's graphs serve one optimizer step over every term; "
-                         f"{retain_why(learner)}")
+                         f"{why_not_at_runtime(learner) or 'this update takes several'}")
     pol.train()
 
     def optimizer_step() -> None:

@@ -103,8 +103,9 @@ class LoopConfig:
     #: rollout evaluates the trained steps with gradients and keeps their graphs, and the update back-propagates the
     #: loss through them instead of running the transformer again. false | true (refused, one line, where it cannot
     #: apply: several optimizer steps per rollout, the forward-process objectives, branch credits, per-step gradient
-    #: weightings, FSDP2 / DeepSpeed, LoRA dropout) | auto (on where it applies and the kept activations fit
-    #: ``retain_max_gib``, measured on the first kept step; else recomputation; train/retained says which)
+    #: weightings, FSDP2 / DeepSpeed, active dropout in the transformer) | auto (on where it applies and the kept
+    #: activations, measured as they are kept and projected to every kept step, fit ``retain_max_gib``; else
+    #: recomputation; train/retained says which)
     retain_graph: Any = False  # typed loosely: true / false / auto, checked below
     retain_max_gib: float = 8.0  #: retain_graph=auto: the most GiB of kept activations per rank
 
