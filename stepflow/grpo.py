@@ -161,6 +161,9 @@ class GRPOModule(L.LightningModule):
 
     # ------------------------------------------------------------------ the iteration
     def on_train_start(self) -> None:
+        from stepflow import stop
+
+        stop.reclaim()  # after the Trainer installed its own SIGTERM handler (a collective inside a signal handler)
         if self.global_rank == 0:
             from tqdm.auto import tqdm
 

@@ -13,12 +13,14 @@ import threading
 
 from stepflow.errors import StopRequested
 
-__all__ = ["STOP", "check", "wait", "request", "clear", "reason", "signals_handled", "EXIT_CODES"]
+__all__ = ["STOP", "check", "wait", "request", "clear", "reason", "signals_handled", "reclaim", "EXIT_CODES"]
 
 #: set once a stop was requested (signal handler or test); cleared by :func:`clear`
 STOP = threading.Event()
 #: the signal (or reason) that asked for the stop
 _reason: list[str] = []
+#: the handler :func:`signals_handled` installed (empty outside it)
+_active: list = []
 
 
 def request(reason: str = "stop requested") -> None:
@@ -76,8 +78,26 @@ def signals_handled(announce=None):
     clear()
     for s in old:
         signal.signal(s, handler)
+    _active[:] = [handler]
     try:
         yield
     finally:
+        _active.clear()
         for s, h in old.items():
             signal.signal(s, h)
+
+
+def reclaim() -> None:
+    """Make the handler of the enclosing :func:`signals_handled` the only SIGINT / SIGTERM handler again.
+
+    Lightning's Trainer installs its own SIGTERM handler when fitting starts, chained before ours; under several
+    processes that handler runs a ``broadcast`` inside the signal handler, on the signalled rank alone and at
+    whatever point that rank was, which pairs with an unrelated collective of the other ranks and can hang the run
+    (seen with FSDP2 on 2 gloo processes). Ours only sets :data:`STOP`; the ranks then agree at the next phase
+    boundary with one collective that every rank calls at the same point. Called at the start of training; outside
+    :func:`signals_handled` or the main thread this does nothing (Lightning restores its predecessor, ours, itself
+    at teardown)."""
+    if not _active or threading.current_thread() is not threading.main_thread():
+        return
+    for s in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(s, _active[0])

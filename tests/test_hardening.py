@@ -84,6 +84,29 @@ def _wait_for(path: Path, proc: subprocess.Popen, timeout: float = 240) -> None:
         time.sleep(0.2)
 
 
+def test_training_runs_under_stepflows_signal_handler_only(tmp_path, monkeypatch):
+    """While the iterations run, SIGTERM / SIGINT reach stepflow's handler alone. Lightning's own SIGTERM handler
+    (installed when fitting starts, chained before ours) runs a broadcast inside the handler on the signalled rank
+    alone, which paired with an unrelated collective of the other rank and hung a 2-process FSDP2 run."""
+    from stepflow import stop
+    from stepflow.grpo import GRPOModule
+    from stepflow.train import run
+
+    seen: list = []
+    iterate = GRPOModule.iterate
+
+    def recording(self, *a, **k):
+        seen.append((signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT), stop._active[:1]))
+        return iterate(self, *a, **k)
+
+    monkeypatch.setattr(GRPOModule, "iterate", recording)
+    run(compose_config("train", ["experiment=smoke", "loop.iterations=2"]), tmp_path)
+    assert len(seen) == 2
+    for term, intr, active in seen:
+        assert active and term is active[0] and intr is active[0]
+    assert signal.getsignal(signal.SIGTERM) is not seen[0][0]  # restored after the run
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("sig,code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
 def test_a_signal_checkpoints_prints_the_resume_command_and_exits_non_zero(tmp_path, sig, code):
