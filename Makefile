@@ -39,8 +39,10 @@ test: install
 
 test-fast: test
 
+# The multi-process tests (xdist_group "multiprocess": 2 ranks each) run one at a time on one worker, the
+# single-process slow tests beside them on the other
 test-slow: install
-	$(VPY) -m pytest -q -m slow $(ARGS)
+	$(VPY) -m pytest -q -n $(WORKERS) --dist loadgroup -m slow $(ARGS)
 
 test-all: test test-slow
 
