@@ -17,6 +17,11 @@ Per step k it reports the within-group Spearman rank correlation of Ĝ_k with G^
 within the group, so ranks are what matter), averaged over groups whose completion gains are not all equal, with the
 fraction of such groups; and the NFEs of each estimate vs the completions. ``--lora``: a trained adapter (a run's
 ``lora/`` directory) to measure after training. Writes ``credit_quality.json`` and ``credit_quality.png``.
+
+    python experiments/credit_quality.py --curves docs/credit_quality/source
+
+plots the runs trained with each reward source (``<source>_seed<S>.csv``, a run's metrics.csv) against iterations
+and against their cumulative forward-equivalent NFEs: ``curves.png`` in that directory.
 """
 
 from __future__ import annotations
@@ -139,6 +144,59 @@ def plot(res: dict, path: Path) -> None:
     plt.close(fig)
 
 
+def read_curves(directory: Path) -> dict[str, list[list[tuple[float, float, float]]]]:
+    """``<source>_seed<S>.csv`` → {source: [per seed: [(iteration, cumulative forward-equivalent NFEs, held-out
+    GenEval) at each evaluation]]}; the NFEs up to an evaluation at iteration i are those of iterations 1..i."""
+    import csv
+
+    out: dict[str, list] = {}
+    for f in sorted(Path(directory).glob("*_seed*.csv")):
+        source = f.stem.rsplit("_seed", 1)[0]
+        nfe, pts = 0.0, []
+        for r in csv.DictReader(f.open()):
+            if r.get("cost/nfe_fwd_equiv") not in (None, ""):
+                nfe += float(r["cost/nfe_fwd_equiv"])
+            if r.get("eval/geneval") not in (None, ""):
+                pts.append((float(r["iteration"]), nfe, float(r["eval/geneval"])))
+        if pts:
+            out.setdefault(source, []).append(pts)
+    return out
+
+
+def plot_curves(directory: Path) -> Path:
+    """Held-out GenEval per seed (thin) and its mean over seeds (thick) against iterations and NFEs."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    curves = read_curves(directory)
+    if not curves:
+        raise SystemExit(f"credit_quality: error: --curves: no <source>_seed<S>.csv with eval/geneval in {directory}")
+    fig, axes = plt.subplots(1, 2, figsize=(9.6, 3.6), sharey=True)
+    for c, (source, runs) in zip(("C0", "C1", "C2", "C3"), sorted(curves.items())):
+        for run in runs:
+            for ax, x in zip(axes, (0, 1)):
+                ax.plot([p[x] for p in run], [p[2] for p in run], color=c, lw=0.6, alpha=0.5)
+        n = min(len(r) for r in runs)  # the evaluations every seed reached
+        mean = [sum(r[i][2] for r in runs) / len(runs) for i in range(n)]
+        for ax, x in zip(axes, (0, 1)):
+            xs = [sum(r[i][x] for r in runs) / len(runs) for i in range(n)]
+            label = {"tweedie": "x̂0 estimates", "completion": "ODE completions"}.get(source, source)
+            ax.plot(xs, mean, color=c, lw=2, marker="o", label=f"{label} ({len(runs)} seeds)")
+    axes[0].set_xlabel("iteration")
+    axes[1].set_xlabel("forward-equivalent NFEs (a backward counts 2)")
+    axes[0].set_ylabel("held-out GenEval")
+    axes[1].ticklabel_format(axis="x", style="sci", scilimits=(3, 3))
+    axes[0].legend(fontsize=8)
+    fig.suptitle("Stepwise rewards from x̂0 estimates vs ODE completions", fontsize=10)
+    fig.tight_layout()
+    path = Path(directory) / "curves.png"
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batches", type=int, default=2)
@@ -146,8 +204,12 @@ def main(argv=None) -> dict:
     ap.add_argument("--lora", default=None, help="a trained adapter directory (a run's lora/) to load")
     ap.add_argument("--out", default="outputs/credit_quality")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--curves", default=None, help="a directory of <source>_seed<S>.csv runs: plot them, nothing else")
     ap.add_argument("overrides", nargs="*", help="Hydra overrides of conf/train.yaml")
     args = ap.parse_args(argv)
+    if args.curves:
+        print(plot_curves(Path(args.curves)))
+        return {}
     subs = [s.strip() for s in args.substeps.split(",") if s.strip()]
     bad = [s for s in subs if s != "adaptive" and not (s.isdigit() and int(s) >= 1)]
     if bad:

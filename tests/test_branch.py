@@ -128,6 +128,20 @@ def test_credit_quality_end_to_end(tmp_path):
     assert (tmp_path / "credit_quality.png").stat().st_size > 1000 and res["num_steps"] == 4
 
 
+def test_credit_quality_curves_accumulate_each_runs_nfes(tmp_path):
+    """--curves: the NFEs at an evaluation are the sum of the iterations' forward-equivalent NFEs up to it (a metrics
+    row per iteration, evaluations on rows of their own), per source and seed; and the plot is written."""
+    mod = _credit_quality()
+    rows = ["iteration,cost/nfe_fwd_equiv,eval/geneval", "0,,0.30", "1,10,", "2,12,", "2,,0.40", "3,7,0.50"]
+    (tmp_path / "tweedie_seed0.csv").write_text("\n".join(rows) + "\n")
+    (tmp_path / "tweedie_seed1.csv").write_text("\n".join(rows[:4]) + "\n")
+    (tmp_path / "completion_seed0.csv").write_text("iteration,cost/nfe_fwd_equiv,eval/geneval\n0,,0.3\n1,100,0.35\n")
+    c = mod.read_curves(tmp_path)
+    assert c["tweedie"][0] == [(0.0, 0.0, 0.30), (2.0, 22.0, 0.40), (3.0, 29.0, 0.50)]
+    assert c["tweedie"][1] == [(0.0, 0.0, 0.30)] and c["completion"] == [[(0.0, 0.0, 0.3), (1.0, 100.0, 0.35)]]
+    assert mod.main(["--curves", str(tmp_path)]) == {} and (tmp_path / "curves.png").stat().st_size > 1000
+
+
 def test_completion_rewards_are_the_rewards_of_ode_completed_states(tmp_path):
     """advantage.reward_source=completion: the estimate phase completes each needed state by the Euler ODE on the
     rest of the grid; on an ODE rollout every state's completion is the rollout's own final image (so every gain is
