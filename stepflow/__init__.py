@@ -6,7 +6,7 @@ reads this list and checks both). A name stands for that module, or that package
 
 0. errors (the error types; imports nothing from stepflow): errors
 1. core (math, prompts, the stop flag, the embedded shapes world): sde, solvers, advantage, loss, forward, window,
-   estimate, coherence, weighting, data, stop, shapes, branch_credit, retain
+   estimate, coherence, weighting, data, stop, shapes, branch_credit, retain, budget
 2. models (the policies, the rewards, and the typed settings, which check the models' own): policies, rewards, config
 3. loop (one GRPO iteration, its objectives and the held-out evaluation, free of Lightning): rollout, branch, branch_loop,
    objectives, algorithm, dist, ema, heldout

@@ -108,6 +108,10 @@ class LoopConfig:
     #: recomputation; train/retained says which)
     retain_graph: Any = False  # typed loosely: true / false / auto, checked below
     retain_max_gib: float = 8.0  #: retain_graph=auto: the most GiB of kept activations per rank
+    #: a compute budget (stepflow.budget): a number = forward-equivalent NFEs over all ranks (a backward counts 2,
+    #: CFG twice; reward images apart), "<N>s" = training seconds; the run stops after the iteration that reaches it
+    #: (``iterations`` stays the cap) and evaluates at ``eval.at_fractions`` of it. null = ``iterations`` decides
+    budget: Any = None  # typed loosely: a number or "<N>s", checked below
 
     def __post_init__(self) -> None:
         _need(self.retain_graph in (False, True, "auto") and (isinstance(self.retain_graph, bool)
@@ -115,6 +119,9 @@ class LoopConfig:
               f"retain_graph: must be true, false or auto, got {self.retain_graph!r}")
         _need(isinstance(self.retain_max_gib, (int, float)) and not isinstance(self.retain_max_gib, bool)
               and self.retain_max_gib > 0, f"retain_max_gib: must be a number > 0 (GiB), got {self.retain_max_gib!r}")
+        from stepflow.budget import parse_budget
+
+        parse_budget(self.budget)  # raises "budget: must be ..."
         _need(_is_int(self.seed) and self.seed >= 0, f"seed: must be an integer >= 0, got {self.seed!r}")
         _need(_is_int(self.iterations) and self.iterations >= 1, f"iterations: must be an integer >= 1, got {self.iterations!r}")
         _need(self.prompts_per_iter >= 1, f"prompts_per_iter: must be >= 1, got {self.prompts_per_iter}")
@@ -230,6 +237,8 @@ class EvalConfig:
     seed: int = 1234  #: initial noise of sample i depends only on (seed, i)
     batch_size: int = 128  #: samples per sampling batch
     grid_prompts: int = 24  #: samples in the image grid
+    #: with ``loop.budget``: also evaluate after the iterations that reach these fractions of it (and at its end)
+    at_fractions: list[float] = field(default_factory=lambda: [0.25, 0.5, 0.75, 1.0])
 
     def __post_init__(self) -> None:
         _need(_is_int(self.every) and self.every >= 0, f"every: must be an integer >= 0 (0 = start and end), got {self.every!r}")
@@ -237,6 +246,10 @@ class EvalConfig:
         _need(self.guidance is None or self.guidance >= 1.0, f"guidance: must be >= 1 or null, got {self.guidance}")
         _need(self.max_prompts is None or self.max_prompts >= 1, f"max_prompts: must be >= 1 or null (all), got {self.max_prompts}")
         _need(self.batch_size >= 1 and self.grid_prompts >= 0, "batch_size / grid_prompts: must be >= 1 / >= 0")
+        fr = self.at_fractions
+        _need(isinstance(fr, (list, tuple)) and all(isinstance(f, (int, float)) and not isinstance(f, bool)
+                                                     and 0 < f <= 1 for f in fr),
+              f"at_fractions: must be a list of fractions in (0, 1] of loop.budget, got {fr!r}")
 
 
 @dataclass

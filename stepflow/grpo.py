@@ -57,6 +57,11 @@ class GRPOModule(L.LightningModule):
         self.iteration = 0
         self.nfe_total = 0
         self.reward_images_total = 0
+        from stepflow.budget import parse_budget
+
+        self.budget = parse_budget(loop.budget)  #: loop.budget (None: loop.iterations decides)
+        #: what the iterations spent (stepflow.budget): forward-equivalent NFEs over ranks, training seconds
+        self.spent = {"nfe": 0.0, "seconds": 0.0}
         self.history: list[dict[str, float]] = []
         self.stop_reason: str | None = None
         self.stop_signal: str | None = None  #: SIGTERM / SIGINT when a signal stopped the run
@@ -123,7 +128,8 @@ class GRPOModule(L.LightningModule):
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         checkpoint["stepflow"] = {
             "iteration": self.iteration, "opt_steps": self.learner.opt_steps, "nfe_total": self.nfe_total,
-            "reward_images_total": self.reward_images_total, "credit": self.learner.advantage.state_dict(),
+            "reward_images_total": self.reward_images_total, "spent": dict(self.spent),
+            "credit": self.learner.advantage.state_dict(),
             "ema": None if self.ema is None else self.ema.state_dict(), "history": self.history,
             "torch_rng": torch.get_rng_state(),
             "signal": self.learner.weighting.state_dict(), "objective": self.objective.state_dict(),
@@ -144,6 +150,10 @@ class GRPOModule(L.LightningModule):
         if self.ema is not None and s["ema"] is not None:
             self.ema.load_state_dict(s["ema"])
         self.history = list(s["history"])
+        # what was spent; a checkpoint from before loop.budget: summed from its history (the same counters)
+        self.spent = dict(s.get("spent") or {
+            "nfe": sum(float(h.get("cost/nfe_fwd_equiv", 0.0)) for h in self.history),
+            "seconds": sum(float(h.get("time/iteration_s", 0.0)) for h in self.history)})
         self.learner.weighting.load_state_dict(s.get("signal"))
         if s.get("objective"):
             self.objective.load_state_dict(s["objective"])
@@ -180,9 +190,10 @@ class GRPOModule(L.LightningModule):
                 self.save_outputs(state)
 
     def training_step(self, batch: Any, batch_idx: int) -> None:
-        if self.iteration >= self.loop.iterations or self.stop_reason:  # a finished run resumed, or stopping
-            self.trainer.should_stop = True
+        if self.iteration >= self.loop.iterations or self.stop_reason or self._budget_spent():  # a finished run
+            self.trainer.should_stop = True  # resumed, or stopping
             return None
+        before = dict(self.spent)
         metrics = self._guarded(self.iterate)
         if metrics is None:
             return None
@@ -191,12 +202,29 @@ class GRPOModule(L.LightningModule):
             shown = metrics.get("train/reward_final", metrics.get("train/reward_mean", float("nan")))
             self._pbar.set_postfix(reward=f"{shown:.3f}", kl=f"{metrics.get('train/kl', 0):.2e}")
         every = self.eval_cfg.every
-        if (every and self.iteration % every == 0) or self.iteration == self.loop.iterations:
+        done = self.iteration >= self.loop.iterations or self._budget_spent()
+        evaluate = bool(every and self.iteration % every == 0) or done
+        if self.budget is not None:  # eval.at_fractions of the budget: after the iteration that reaches each
+            from stepflow.budget import crossed
+
+            k = self.budget.kind
+            evaluate = evaluate or bool(crossed(before[k], self.spent[k], self.budget.total, self.eval_cfg.at_fractions))
+            if self.iteration >= self.loop.iterations and not self._budget_spent() and self.global_rank == 0:
+                import logging
+
+                logging.getLogger("stepflow.train").warning(
+                    f"loop.iterations={self.loop.iterations} reached at {self.budget.fraction(self.spent):.0%} of "
+                    f"loop.budget ({self.budget}); raise loop.iterations to spend all of it")
+        if evaluate:
             self._guarded(self.run_evaluation)
         # every rank decides together: a signal seen by one rank only (or by one rank earlier) must not stop it
-        # alone, the others would wait in the next iteration's collectives
-        if self.iteration >= self.loop.iterations or Dist.from_module(self).stop_requested():
+        # alone, the others would wait in the next iteration's collectives (the budget is the same on every rank:
+        # its counters are reduced over ranks)
+        if done or Dist.from_module(self).stop_requested():
             self.trainer.should_stop = True  # epochs only tick; the iteration counter (checkpointed) decides
+
+    def _budget_spent(self) -> bool:
+        return self.budget is not None and self.spent[self.budget.kind] >= self.budget.total
 
     def _guarded(self, fn):
         """``fn()``, or None after a stop request or a reward service that stays down: the run then stops cleanly
@@ -232,6 +260,12 @@ class GRPOModule(L.LightningModule):
         self.nfe_total += int(m["cost/nfe"])
         self.reward_images_total += int(m["cost/reward_images"])
         m["cost/nfe_total"], m["cost/reward_images_total"] = self.nfe_total, self.reward_images_total
+        # the budget's counters: identical on every rank (NFEs are summed over ranks, seconds the slowest rank's)
+        self.spent["nfe"] += float(m["cost/nfe_fwd_equiv"])
+        self.spent["seconds"] += learner.dist.all_max(float(m["time/iteration_s"]))
+        m["cost/nfe_fwd_equiv_total"], m["cost/train_seconds_total"] = self.spent["nfe"], self.spent["seconds"]
+        if self.budget is not None:
+            m["budget/fraction"] = self.budget.fraction(self.spent)
         self._log(m)
         return m
 

@@ -18,7 +18,7 @@ __all__ = ["run_lock", "acquire", "release", "RunDirCallback", "check_resume", "
 LOCK_NAME = ".stepflow.lock"
 
 #: settings a resume may change: how long the run goes on, how it is evaluated, CPU threads, where it logs
-RESUMABLE = ("ckpt_path", "loop.iterations", "eval.", "torch_threads", "logger.", "trainer.devices", "trainer.num_nodes")
+RESUMABLE = ("ckpt_path", "loop.iterations", "loop.budget", "eval.", "torch_threads", "logger.", "trainer.devices", "trainer.num_nodes")
 
 
 def _alive(pid: int) -> bool:
