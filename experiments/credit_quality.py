@@ -174,15 +174,16 @@ def plot_curves(directory: Path) -> Path:
     if not curves:
         raise SystemExit(f"credit_quality: error: --curves: no <source>_seed<S>.csv with eval/geneval in {directory}")
     fig, axes = plt.subplots(1, 2, figsize=(9.6, 3.6), sharey=True)
-    for c, (source, runs) in zip(("C0", "C1", "C2", "C3"), sorted(curves.items())):
+    for i, (source, runs) in enumerate(sorted(curves.items())):
+        c = f"C{i}"  # matplotlib's colour cycle: every source plotted
         for run in runs:
             for ax, x in zip(axes, (0, 1)):
                 ax.plot([p[x] for p in run], [p[2] for p in run], color=c, lw=0.6, alpha=0.5)
         n = min(len(r) for r in runs)  # the evaluations every seed reached
-        mean = [sum(r[i][2] for r in runs) / len(runs) for i in range(n)]
+        mean = [sum(r[j][2] for r in runs) / len(runs) for j in range(n)]
+        label = {"tweedie": "x̂0 estimates", "completion": "ODE completions"}.get(source, source)
         for ax, x in zip(axes, (0, 1)):
-            xs = [sum(r[i][x] for r in runs) / len(runs) for i in range(n)]
-            label = {"tweedie": "x̂0 estimates", "completion": "ODE completions"}.get(source, source)
+            xs = [sum(r[j][x] for r in runs) / len(runs) for j in range(n)]
             ax.plot(xs, mean, color=c, lw=2, marker="o", label=f"{label} ({len(runs)} seeds)")
     axes[0].set_xlabel("iteration")
     axes[1].set_xlabel("forward-equivalent NFEs (a backward counts 2)")

@@ -17,10 +17,6 @@ from typing import Any, Sequence
 
 __all__ = ["Budget", "parse_budget", "crossed"]
 
-#: what each kind of budget counts, as the run's metrics name it
-UNITS = {"nfe": "cost/nfe_fwd_equiv_total", "seconds": "cost/train_seconds_total"}
-
-
 @dataclass(frozen=True)
 class Budget:
     kind: str  #: ``nfe`` (forward-equivalent NFEs) | ``seconds`` (training seconds)

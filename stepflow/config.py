@@ -32,6 +32,7 @@ from typing import Any
 from omegaconf import MISSING, DictConfig, OmegaConf
 
 from stepflow.advantage import AdvantageConfig
+from stepflow.budget import parse_budget
 from stepflow.errors import StepflowError
 from stepflow.sde import TIME_GRIDS, SamplerConfig
 from stepflow.window import WindowConfig
@@ -119,8 +120,6 @@ class LoopConfig:
               f"retain_graph: must be true, false or auto, got {self.retain_graph!r}")
         _need(isinstance(self.retain_max_gib, (int, float)) and not isinstance(self.retain_max_gib, bool)
               and self.retain_max_gib > 0, f"retain_max_gib: must be a number > 0 (GiB), got {self.retain_max_gib!r}")
-        from stepflow.budget import parse_budget
-
         parse_budget(self.budget)  # raises "budget: must be ..."
         _need(_is_int(self.seed) and self.seed >= 0, f"seed: must be an integer >= 0, got {self.seed!r}")
         _need(_is_int(self.iterations) and self.iterations >= 1, f"iterations: must be an integer >= 1, got {self.iterations!r}")
@@ -247,8 +246,7 @@ class EvalConfig:
         _need(self.max_prompts is None or self.max_prompts >= 1, f"max_prompts: must be >= 1 or null (all), got {self.max_prompts}")
         _need(self.batch_size >= 1 and self.grid_prompts >= 0, "batch_size / grid_prompts: must be >= 1 / >= 0")
         fr = self.at_fractions
-        _need(isinstance(fr, (list, tuple)) and all(isinstance(f, (int, float)) and not isinstance(f, bool)
-                                                     and 0 < f <= 1 for f in fr),
+        _need(isinstance(fr, (list, tuple)) and all(_is_num(f) and 0 < f <= 1 for f in fr),
               f"at_fractions: must be a list of fractions in (0, 1] of loop.budget, got {fr!r}")
 
 
