@@ -7,7 +7,7 @@ export HF_HUB_OFFLINE ?= 1
 export WANDB_MODE ?= offline
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: install train test test-fast test-slow test-all evaluate pretrain ablations ablations-quick clean
+.PHONY: install train test test-fast test-slow test-all evaluate pretrain ablations ablations-quick league league-quick clean
 
 install: $(STAMP)
 
@@ -64,3 +64,12 @@ ablations-quick: install
 
 report: install
 	$(VPY) experiments/report.py $(SWEEP) $(ARGS)
+
+# The league (experiments/league.py, docs/league/report.md): every method at equal forward-equivalent NFEs, 5 paired
+# seeds, lr chosen on a grid with other seeds, the paper's claims; LEAGUE_JOBS runs at once; reruns skip finished runs.
+LEAGUE_JOBS ?= 2
+league: install
+	$(VPY) experiments/league.py --jobs $(LEAGUE_JOBS) $(ARGS)
+
+league-quick: install
+	$(VPY) experiments/league.py --quick --jobs $(LEAGUE_JOBS) $(ARGS)

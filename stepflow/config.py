@@ -230,6 +230,9 @@ class EvalConfig:
     """Held-out evaluation: deterministic ODE sampling with the EMA weights, scored by the training reward."""
 
     every: int = 20  #: evaluate every N iterations (and at start and end); 0 = only start and end
+    #: evaluate the base model before iteration 1 (false: a suite of runs from one base evaluates it once, e.g. the
+    #: league; the run's gain is then not computed)
+    at_start: bool = True
     num_steps: int = 10  #: ODE steps
     guidance: float | None = None  #: CFG scale (None = the model's ``eval_guidance``, else 1)
     max_prompts: int | None = None  #: a category-balanced subset of the held-out prompts (None = all)
@@ -242,6 +245,7 @@ class EvalConfig:
     def __post_init__(self) -> None:
         _need(_is_int(self.every) and self.every >= 0, f"every: must be an integer >= 0 (0 = start and end), got {self.every!r}")
         _need(self.num_steps >= 1, f"num_steps: must be >= 1, got {self.num_steps}")
+        _need(isinstance(self.at_start, bool), f"at_start: must be true or false, got {self.at_start!r}")
         _need(self.guidance is None or self.guidance >= 1.0, f"guidance: must be >= 1 or null, got {self.guidance}")
         _need(self.max_prompts is None or self.max_prompts >= 1, f"max_prompts: must be >= 1 or null (all), got {self.max_prompts}")
         _need(self.batch_size >= 1 and self.grid_prompts >= 0, "batch_size / grid_prompts: must be >= 1 / >= 0")

@@ -178,7 +178,7 @@ class GRPOModule(L.LightningModule):
             from tqdm.auto import tqdm
 
             self._pbar = tqdm(total=self.loop.iterations, initial=self.iteration, desc="GRPO", unit="it", dynamic_ncols=True)
-        if self.iteration == 0:
+        if self.iteration == 0 and self.eval_cfg.at_start:
             self._guarded(self.run_evaluation)
 
     def on_train_end(self) -> None:

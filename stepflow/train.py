@@ -72,13 +72,15 @@ def check_train_steps(train: TrainConfig, sampler, num_steps: int, density: bool
 def window_union(window, num_steps: int) -> list[int] | None:
     """Every step the SDE ``window`` can hold over a run (None: no window): ``fixed`` its steps, ``sliding`` and
     ``random`` every step from ``start`` on (the sliding window moves up to the last position and holds there),
-    ``mixgrpo`` the steps before T − 2."""
+    ``random_start`` the steps of ``[start, end)``, ``mixgrpo`` the steps before T − 2."""
     if window.kind == "none":
         return None
     if window.kind == "fixed":
         return list(range(window.start, window.start + window.size))
     if window.kind == "mixgrpo":  # MixGRPO's window ends before the grid's last two points (its end is exclusive)
         return list(range(window.start, num_steps - 2))
+    if window.kind == "random_start":
+        return list(range(window.start, num_steps if window.end is None else min(window.end, num_steps)))
     return list(range(window.start, num_steps))
 
 
@@ -467,9 +469,10 @@ def summary_line(history: list[dict], run_dir: Path) -> str:
     keys = sorted({k for h in evals for k in h if k.startswith("eval/") and not k.startswith("eval/geneval_")})
     parts = []
     for k in keys:
-        vals = [h[k] for h in evals if k in h]
-        if vals:
-            parts.append(f"{k} {vals[0]:.3f} -> {vals[-1]:.3f} ({vals[-1] - vals[0]:+.3f})")
+        at = [(int(h["iteration"]), h[k]) for h in evals if k in h]
+        if at:
+            since = f" (from iteration {at[0][0]})" if at[0][0] else ""  # eval.at_start=false: no base evaluation
+            parts.append(f"{k} {at[0][1]:.3f} -> {at[-1][1]:.3f} ({at[-1][1] - at[0][1]:+.3f}{since})")
     its = max((int(h["iteration"]) for h in history), default=0)
     nfe = max((h.get("cost/nfe_total", 0) for h in history), default=0)
     secs = sum(h.get("time/iteration_s", 0.0) for h in history)

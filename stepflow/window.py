@@ -7,8 +7,11 @@ A window is a pure function of the iteration (and the seed), so a resumed run dr
 - ``fixed``: steps ``[start, start + size)`` (Flow-GRPO-Fast's window);
 - ``sliding``: a simplified MixGRPO progressive window of ``size`` steps, moved by ``stride`` every ``every``
   iterations from ``start`` up to the last position (``T − size``), then held there (stepflow's, kept as measured);
-- ``random``: ``size`` steps drawn anew every iteration from ``[start, T)``, the same for every sample (Flow-GRPO-Fast /
-  MixGRPO-random semantics; not DanceGRPO's subset, which trains a per-sample subset of all-SDE rollouts, league.md §0);
+- ``random``: ``size`` steps drawn anew every iteration from ``[start, T)``, the same for every sample (MixGRPO-random
+  semantics; not DanceGRPO's subset, which trains a per-sample subset of all-SDE rollouts, league.md §0);
+- ``random_start``: ``size`` consecutive steps at a start drawn anew every iteration, the window inside
+  ``[start, end)`` (Flow-GRPO-Fast as released: ``start = random.randint(range[0], range[1] − size)``,
+  window_range (0, 5), window_size 3);
 - ``mixgrpo``: MixGRPO's progressive window as released (:func:`mixgrpo_window`): ``range(cur, min(cur + size, T − 2))``
   with ``cur`` moved by ``stride`` every ``every`` iterations; the window shrinks at the end of the grid and is empty
   at ``cur = T − 2``, after which it rolls back to ``start`` (``roll_back``) or stays empty. ``post_solver=dpmpp2m``
@@ -30,7 +33,7 @@ from torch import Tensor
 __all__ = ["WindowConfig", "window_steps", "mixgrpo_window", "mixgrpo_position", "post_tail", "WINDOWS",
            "POST_SOLVERS"]
 
-WINDOWS = ("none", "fixed", "sliding", "random", "mixgrpo")
+WINDOWS = ("none", "fixed", "sliding", "random", "random_start", "mixgrpo")
 #: the ODE after the window: the grid's Euler steps, or MixGRPO-Flash's compressed DPM-Solver++(2M) tail
 POST_SOLVERS = ("euler", "dpmpp2m")
 
@@ -39,9 +42,11 @@ POST_SOLVERS = ("euler", "dpmpp2m")
 class WindowConfig:
     """The SDE window (see the module docstring)."""
 
-    kind: str = "none"  #: none | fixed | sliding | random | mixgrpo
+    kind: str = "none"  #: none | fixed | sliding | random | random_start | mixgrpo
     #: first step of the window (sliding, mixgrpo: its first position; random: the lowest step drawn)
     start: int = 0
+    #: random_start: the window lies in ``[start, end)`` (Flow-GRPO-Fast's window_range); null = the grid's end T
+    end: int | None = None
     size: int = 3  #: steps in the window
     stride: int = 1  #: sliding, mixgrpo: steps moved at each shift (mixgrpo: 0 = a frozen window, MixGRPO-Flash*)
     every: int = 10  #: sliding, mixgrpo: iterations between shifts
@@ -66,6 +71,10 @@ class WindowConfig:
                 raise ValueError(f"{name}: must be an integer >= {low}, got {v!r}")
         if not (isinstance(self.start, int) and self.start >= 0):
             raise ValueError(f"start: must be an integer >= 0, got {self.start!r}")
+        if self.end is not None and not (isinstance(self.end, int) and not isinstance(self.end, bool)
+                                         and self.end >= self.start + self.size):
+            raise ValueError(f"end: must be null or an integer >= start + size = {self.start + self.size} (the window "
+                             f"[start, start + size) must fit below it), got {self.end!r}")
         if not isinstance(self.roll_back, bool):
             raise ValueError(f"roll_back: must be true or false, got {self.roll_back!r}")
         if self.post_solver not in POST_SOLVERS:
@@ -92,6 +101,13 @@ def window_steps(cfg: WindowConfig, iteration: int, num_steps: int, seed: int = 
         lo = cfg.start
     elif cfg.kind == "sliding":
         lo = min(cfg.start + (iteration // cfg.every) * cfg.stride, num_steps - cfg.size)
+    elif cfg.kind == "random_start":
+        end = num_steps if cfg.end is None else cfg.end
+        if end > num_steps:
+            raise ValueError(f"window.end: {end} is past the {num_steps}-step grid (loop.num_steps); lower window.end "
+                             f"or set it to null")
+        rng = np.random.default_rng([seed, iteration, 7_772])
+        lo = int(rng.integers(cfg.start, end - cfg.size + 1))  # inclusive of end - size, as python's randint
     else:
         rng = np.random.default_rng([seed, iteration, 7_771])
         return sorted(int(k) for k in rng.choice(np.arange(cfg.start, num_steps), size=cfg.size, replace=False))

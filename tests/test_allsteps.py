@@ -32,6 +32,25 @@ def test_window_kinds():
         WindowConfig("bogus")
 
 
+def test_random_start_window_is_flow_grpo_fasts():
+    """Flow-GRPO-Fast's window: ``start = random.randint(lo, hi - size)`` (both ends included), ``size`` consecutive
+    steps, so with window_range (0, 5) and size 3 exactly the windows 0-2, 1-3, 2-4 occur, each about a third of the
+    time; a pure function of (seed, iteration)."""
+    fast = WindowConfig("random_start", start=0, end=5, size=3)
+    draws = [window_steps(fast, it, 10, seed=1) for it in range(300)]
+    assert {tuple(d) for d in draws} == {(0, 1, 2), (1, 2, 3), (2, 3, 4)}
+    counts = [sum(d[0] == s for d in draws) for s in range(3)]
+    assert all(70 <= c <= 130 for c in counts), counts  # binomial(300, 1/3): sd 8.2
+    assert draws == [window_steps(fast, it, 10, seed=1) for it in range(300)]
+    assert draws != [window_steps(fast, it, 10, seed=2) for it in range(300)]
+    assert {tuple(window_steps(WindowConfig("random_start", start=4, size=2), it, 10)) for it in range(200)} == \
+        {(k, k + 1) for k in range(4, 9)}  # end null = T
+    with pytest.raises(ValueError, match="end: must be null or an integer >= start \\+ size"):
+        WindowConfig("random_start", start=3, end=5, size=3)
+    with pytest.raises(ValueError, match="past the 10-step grid"):
+        window_steps(WindowConfig("random_start", start=0, end=12, size=3), 0, 10)
+
+
 def test_a_window_rolls_out_with_the_ode_outside_and_trains_only_inside(tmp_path):
     from stepflow.algorithm import iteration
     from stepflow.rollout import rollout

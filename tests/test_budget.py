@@ -71,6 +71,18 @@ def test_a_budget_in_nfes_stops_the_run_and_evaluates_at_its_fractions(tmp_path)
     assert (tmp_path / "b" / "lora").is_dir()  # a run ended by its budget saves its outputs as a finished one
 
 
+def test_eval_at_start_false_skips_the_base_evaluation_only(tmp_path):
+    """eval.at_start=false (a suite evaluates its one base once): no evaluation before iteration 1, the others as
+    with it (every 2 iterations and the end); the summary line names the first evaluation's iteration."""
+    from stepflow.train import summary_line
+
+    m = fit(tmp_path / "r", "loop.iterations=3", "eval.every=2", "eval.at_start=false")
+    assert eval_iterations(tmp_path / "r") == [2, 3]
+    assert "(from iteration 2)" in summary_line(m.history, tmp_path / "r")
+    m = fit(tmp_path / "s", "loop.iterations=1")
+    assert eval_iterations(tmp_path / "s") == [0, 1] and "from iteration" not in summary_line(m.history, tmp_path)
+
+
 def test_a_resumed_budget_run_stops_where_the_uninterrupted_one_does(tmp_path):
     """Interrupted by its cap after iteration 2 and resumed with the cap raised, a budget run stopping after
     iteration 4 (a budget between what iterations 3 and 4 spend) stops there with the uninterrupted run's metrics and

@@ -1,0 +1,524 @@
+#!/usr/bin/env python
+"""The league: every method stepflow has, on the embedded world, at equal compute, with paired seeds.
+
+    python experiments/league.py --jobs 2                 # the whole league (make league): grid, table, claims, report
+    python experiments/league.py --quick --jobs 2         # make league-quick: 4 methods, 2 seeds, one budget
+    python experiments/league.py --phase grid --dry-run   # print the plan of one phase, run nothing
+    python experiments/league.py --report                 # only (re)write docs/league/ from the runs on disk
+    python experiments/league.py --methods default,nft --seeds 0,1 --budget 2e4 -- model.path=/my/base
+
+Protocol (docs/league/report.md says it in full):
+
+- **Budgets** in forward-equivalent NFEs (``loop.budget``: a backward counts 2, CFG doubles, over all ranks; reward
+  images are counted beside it): every run of the table goes to ``--budget`` (default 30,000) and is evaluated on
+  every held-out prompt after the iterations that reach ``--fractions`` of it (default 1/4, 1/2, 1: three budget
+  points from one run). The base model is evaluated once (``eval.at_start=false`` in every run).
+- **Learning rate**: each method's lr is chosen on the grid {lr/3, lr, 3 lr} around its config's lr, at half the
+  budget, with ``--grid-seeds`` (default 100, 101) that the table does not use; the chosen lr maximises the mean
+  held-out GenEval over those seeds and both grid evaluations (1/4 and 1/2 of the budget).
+- **Seeds** 0..4 (``--seeds``), the same for every method: seed s gives every method the same prompt order and the
+  same first initial noises, and every evaluation uses the same held-out prompts and noises (``eval.seed``).
+- **Claims arms**: the paper's claims tested as one-change variants of the default (step-0) and the every-step
+  recipes, each with its parent method's chosen lr.
+
+Runs land in ``<out>/<phase>/<method>/<run>`` (``<run>`` = ``lr=<lr>,seed=<s>`` in the grid, ``seed=<s>`` elsewhere).
+Rerunning skips finished runs (the adapter is saved at the end), resumes interrupted ones from
+``checkpoints/last.ckpt`` and moves a run whose stored config differs from the plan (a changed lr choice, config or
+budget) to ``.stale/`` before rerunning it, as experiments/ablations.py does. ``--jobs N`` runs N single-threaded runs
+at once, longest first. Interrupt with Ctrl-C: the running runs checkpoint and stop; the next invocation resumes them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import math
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import ablations  # noqa: E402  (experiments/ablations.py: the skip / resume / stale logic)
+import report  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+OUT = ROOT / "outputs" / "league"
+DOCS = ROOT / "docs" / "league"
+CATEGORIES = ("single_object", "two_object", "counting", "colors", "position", "color_attr")
+
+
+# ---------------------------------------------------------------------------------------------------- definitions
+@dataclass(frozen=True)
+class Method:
+    """One contestant: an experiment file (None = the default ``python -m stepflow.train``) and its overrides.
+    ``parent``: a claims arm takes its parent method's chosen lr (it is not tuned itself)."""
+
+    name: str
+    experiment: str | None
+    overrides: tuple[str, ...] = ()
+    title: str = ""
+    parent: str | None = None
+
+    def base_overrides(self) -> list[str]:
+        return ([f"experiment={self.experiment}"] if self.experiment else []) + list(self.overrides)
+
+
+#: every method of the league (issue #25's list), the field's as released and stepflow's own recipes
+METHODS: tuple[Method, ...] = (
+    Method("default", None, (), "stepflow's default: gains at step 0, DDIM SDE (python -m stepflow.train)"),
+    Method("paper", "league/paper", (), "the paper's recipe: gains at every step, DDIM SDE, T' = 5"),
+    Method("allsteps", "mini_allsteps", (), "every step with gains and the guard weighting (mini_allsteps)"),
+    Method("allsteps_auto", "mini_allsteps", ("train.weighting=auto",),
+           "every step, weighted by the measured gradient signal (train.weighting=auto)"),
+    Method("uniform_guard", "mini_allsteps", ("advantage=uniform",),
+           "uniform credit at every step with the guard weighting (the control for gains)"),
+    Method("flow_grpo", "league/flow_grpo", (), "Flow-GRPO"),
+    Method("flow_grpo_fast", "league/flow_grpo_fast", (), "Flow-GRPO-Fast (CPS, random window of 3 in steps 0-4)"),
+    Method("grpo_guard", "league/grpo_guard", (), "GRPO-Guard"),
+    Method("dancegrpo", "league/dancegrpo", (), "DanceGRPO"),
+    Method("mixgrpo", "league/mixgrpo", (), "MixGRPO"),
+    Method("mixgrpo_flash", "league/mixgrpo_flash", (), "MixGRPO-Flash"),
+    Method("tempflow", "league/tempflow", (), "TempFlow-GRPO"),
+    Method("tpgrpo", "league/tpgrpo", (), "TurningPoint-GRPO"),
+    Method("g2rpo", "league/g2rpo", (), "Granular-GRPO"),
+    Method("nft", "league/nft", (), "DiffusionNFT"),
+    Method("awm", "league/awm", (), "Advantage Weighted Matching"),
+    Method("advantageflow", "league/advantageflow", (), "AdvantageFlow"),
+)
+
+#: one-change variants for the paper's claims (run with the table's seeds and budget, parent's lr)
+CLAIM_ARMS: tuple[Method, ...] = (
+    Method("default_uniform", None, ("advantage=uniform",), "default with uniform credit", "default"),
+    Method("default_flow_sde", None, ("sampler=flow_sde",), "default with Flow-GRPO's SDE (a = 0.7)", "default"),
+    Method("default_uniform_flow_sde", None, ("advantage=uniform", "sampler=flow_sde"),
+           "default with uniform credit and Flow-GRPO's SDE", "default"),
+    Method("default_cfg45", None, ("loop.guidance=4.5", "eval.guidance=4.5"), "default at CFG 4.5", "default"),
+    Method("default_uniform_cfg45", None, ("advantage=uniform", "loop.guidance=4.5", "eval.guidance=4.5"),
+           "default with uniform credit at CFG 4.5", "default"),
+    Method("allsteps_flow_sde", "mini_allsteps", ("sampler=flow_sde",), "every-step recipe with Flow-GRPO's SDE",
+           "allsteps"),
+    Method("allsteps_tweedie", "mini_allsteps", ("loop.substeps=1",), "every-step recipe with T' = 1 (Tweedie)",
+           "allsteps"),
+    Method("allsteps_t5", "mini_allsteps", ("loop.substeps=5",), "every-step recipe with T' = 5", "allsteps"),
+    Method("allsteps_per_step", "mini_allsteps", ("advantage=gain_per_step",),
+           "every-step recipe, gains normalised per step", "allsteps"),
+    Method("allsteps_gain_ema", "mini_allsteps", ("advantage=gain_ema",), "every-step recipe, gains minus an EMA "
+           "baseline", "allsteps"),
+    Method("allsteps_gae", "mini_allsteps", ("advantage=gae",), "every-step recipe, GAE over the gains", "allsteps"),
+    Method("allsteps_distill", "mini_allsteps", ("objective=distill",), "every-step recipe, gain-weighted ODE "
+           "distillation", "allsteps"),
+)
+
+QUICK_METHODS = ("default", "allsteps", "flow_grpo", "nft")
+
+
+@dataclass(frozen=True)
+class Claim:
+    """One of the paper's claims as a paired comparison: ``better`` beats ``worse`` (or, with ``alike``, the two are
+    within the detectable difference)."""
+
+    source: str
+    statement: str
+    better: str
+    worse: str
+    alike: bool = False
+
+
+CLAIMS: tuple[Claim, ...] = (
+    Claim("Fig. 4", "gains beat uniform credit (step 0, DDIM SDE)", "default", "default_uniform"),
+    Claim("Fig. 4", "gains beat uniform credit (every step, guard weighting)", "allsteps", "uniform_guard"),
+    Claim("Fig. 4", "the paper's recipe beats Flow-GRPO", "paper", "flow_grpo"),
+    Claim("Fig. 6", "the DDIM SDE beats Flow-GRPO's SDE with gains (step 0)", "default", "default_flow_sde"),
+    Claim("Fig. 6", "the DDIM SDE beats Flow-GRPO's SDE with uniform credit (step 0)", "default_uniform",
+          "default_uniform_flow_sde"),
+    Claim("Fig. 6", "the DDIM SDE beats Flow-GRPO's SDE with gains (every step)", "allsteps", "allsteps_flow_sde"),
+    Claim("Fig. 10", "T' = 2 and T' = 5 perform alike", "allsteps", "allsteps_t5", alike=True),
+    Claim("Fig. 10", "T' >= 2 beats T' = 1 (Tweedie: 'noisy estimates')", "allsteps", "allsteps_tweedie"),
+    Claim("Fig. 9", "joint normalisation of the gains beats per-step (faster convergence)", "allsteps",
+          "allsteps_per_step"),
+    Claim("Fig. 7", "an EMA baseline does not beat plain gains", "allsteps", "allsteps_gain_ema", alike=True),
+    Claim("Fig. 7", "GAE does not beat plain gains", "allsteps", "allsteps_gae", alike=True),
+    Claim("Fig. 7", "gain-weighted distillation does not beat plain gains", "allsteps", "allsteps_distill", alike=True),
+    Claim("Table 1", "at CFG 4.5 gains beat uniform credit", "default_cfg45", "default_uniform_cfg45"),
+)
+
+
+@dataclass
+class Settings:
+    """The league's protocol (what ``--quick`` and the flags change)."""
+
+    budget: float = 30_000.0
+    fractions: tuple[float, ...] = (0.25, 0.5, 1.0)
+    seeds: tuple[int, ...] = (0, 1, 2, 3, 4)
+    grid_seeds: tuple[int, ...] = (100, 101)
+    grid_factors: tuple[float, ...] = (1 / 3, 1.0, 3.0)
+    grid_budget_fraction: float = 0.5  #: the grid runs to this fraction of the budget, evaluated at the fractions below it
+    methods: tuple[str, ...] = tuple(m.name for m in METHODS)
+    claims: bool = True
+    grid: bool = True
+    out: Path = OUT
+    extra: tuple[str, ...] = ()
+    cap: int = 5000  #: loop.iterations: a cap the budget reaches first
+
+    @property
+    def grid_budget(self) -> float:
+        return self.budget * self.grid_budget_fraction
+
+    @property
+    def grid_fractions(self) -> tuple[float, ...]:
+        return tuple(f / self.grid_budget_fraction for f in self.fractions if f <= self.grid_budget_fraction + 1e-12)
+
+
+def quick_settings() -> Settings:
+    return Settings(budget=8_000.0, fractions=(1.0,), seeds=(0, 1), methods=QUICK_METHODS, claims=False, grid=False,
+                    out=OUT.parent / "league_quick")
+
+
+def method(name: str) -> Method:
+    for m in (*METHODS, *CLAIM_ARMS):
+        if m.name == name:
+            return m
+    raise KeyError(name)
+
+
+def lr_str(lr: float) -> str:
+    """Two significant digits, as a Hydra value and a directory name: 3.3e-04 -> ``0.00033``."""
+    return f"{float(f'{lr:.2g}'):g}"
+
+
+def grid_lrs(lr: float, factors: Sequence[float]) -> list[str]:
+    return [lr_str(lr * f) for f in factors]
+
+
+# ---------------------------------------------------------------------------------------------------- planning
+@dataclass
+class Run:
+    phase: str  #: grid | table | claims
+    method: Method
+    lr: str
+    seed: int
+    run_dir: Path
+    overrides: list[str] = field(default_factory=list)
+    status: str = "missing"
+    reason: str = ""
+    cost: float = 1.0  #: expected seconds (for longest-first scheduling)
+
+    def command(self, python: str = sys.executable) -> list[str]:
+        cmd = [python, "-m", "stepflow.train", *self.overrides, f"seed={self.seed}",
+               f"hydra.run.dir={ablations.hydra_value(str(self.run_dir))}"]
+        if self.status == "resume":
+            cmd.append(f"ckpt_path={ablations.hydra_value(str(self.run_dir / 'checkpoints' / 'last.ckpt'))}")
+        return cmd
+
+
+def run_overrides(m: Method, lr: str, budget: float, fractions: Sequence[float], s: Settings) -> list[str]:
+    fr = ",".join(f"{f:g}" for f in fractions)
+    return [*m.base_overrides(), f"train.lr={lr}", f"loop.budget={int(round(budget))}", f"loop.iterations={s.cap}",
+            "eval.every=0", "eval.at_start=false", f"eval.at_fractions=[{fr}]", *s.extra]
+
+
+def configured_lr(m: Method, compose) -> float:
+    cfg = compose("train", m.base_overrides())
+    return float(cfg.train.lr)
+
+
+def chosen_lrs(s: Settings, compose) -> dict[str, tuple[str, str]]:
+    """``{method: (lr, why)}``: the grid's choice where the grid is finished for that method, else the config's lr."""
+    out = {}
+    for name in s.methods:
+        m = method(name)
+        lr0 = configured_lr(m, compose)
+        if not s.grid:
+            out[name] = (lr_str(lr0), "the config's lr (no grid)")
+            continue
+        scores = grid_scores(s, m, grid_lrs(lr0, s.grid_factors))
+        if scores and all(v is not None for v in scores.values()):
+            best = max(scores, key=lambda k: scores[k])
+            out[name] = (best, "grid: " + ", ".join(f"{k} {v:.3f}" for k, v in scores.items()))
+        else:
+            out[name] = (lr_str(lr0), "the config's lr (grid unfinished)")
+    return out
+
+
+def grid_scores(s: Settings, m: Method, lrs: Sequence[str]) -> dict[str, float | None]:
+    """Mean held-out GenEval of each grid lr over the grid seeds and evaluations; None where a run is unfinished."""
+    scores: dict[str, float | None] = {}
+    for lr in lrs:
+        vals = []
+        for seed in s.grid_seeds:
+            d = s.out / "grid" / m.name / f"lr={lr},seed={seed}"
+            if not report.run_finished(d):
+                vals = None
+                break
+            vals += [r["geneval"] for r in eval_rows(d, s.grid_budget, s.grid_fractions)]
+        scores[lr] = (sum(vals) / len(vals)) if vals else None
+    return scores
+
+
+def plan(s: Settings, phases: Sequence[str], check_config: bool = True) -> list[Run]:
+    from stepflow.config import composer
+
+    runs: list[Run] = []
+    with composer() as compose:
+        ms = [method(n) for n in s.methods]
+        if "grid" in phases and s.grid:
+            for m in ms:
+                for lr in grid_lrs(configured_lr(m, compose), s.grid_factors):
+                    ovr = run_overrides(m, lr, s.grid_budget, s.grid_fractions, s)
+                    runs += _runs("grid", m, lr, s.grid_seeds, ovr, s, compose, check_config, lambda lr, sd: f"lr={lr},seed={sd}")
+        chosen = chosen_lrs(s, compose) if ({"table", "claims"} & set(phases)) else {}
+        if "table" in phases:
+            for m in ms:
+                lr = chosen[m.name][0]
+                ovr = run_overrides(m, lr, s.budget, s.fractions, s)
+                runs += _runs("table", m, lr, s.seeds, ovr, s, compose, check_config, lambda lr, sd: f"seed={sd}")
+        if "claims" in phases and s.claims:
+            for m in CLAIM_ARMS:
+                if m.parent not in chosen:
+                    continue
+                lr = chosen[m.parent][0]
+                ovr = run_overrides(m, lr, s.budget, s.fractions, s)
+                runs += _runs("claims", m, lr, s.seeds, ovr, s, compose, check_config, lambda lr, sd: f"seed={sd}")
+    return runs
+
+
+def _runs(phase, m, lr, seeds, ovr, s: Settings, compose, check_config, name) -> list[Run]:
+    planned = None
+    if check_config:
+        from omegaconf import OmegaConf
+
+        planned = OmegaConf.to_container(compose("train", list(ovr)), resolve=True)
+    out = []
+    for seed in seeds:
+        d = s.out / phase / m.name / name(lr, seed)
+        status, reason = ablations.job_status(d, planned)
+        out.append(Run(phase, m, lr, seed, d, list(ovr), status, reason, cost=expected_seconds(m, ovr)))
+    return out
+
+
+#: seconds per forward-equivalent NFE measured with two runs at once on the 2-core machine (docs/results.md's league
+#: tables; the default 3.8 ms): only the order of the runs (longest first) depends on them
+MS_PER_NFE = {"grpo_guard": 18.0, "mixgrpo_flash": 17.0, "tempflow": 11.0, "dancegrpo": 10.0, "mixgrpo": 8.5,
+              "tpgrpo": 7.5, "g2rpo": 7.0, "nft": 5.2, "awm": 5.0, "advantageflow": 5.0}
+
+
+def expected_seconds(m: Method, ovr: Sequence[str]) -> float:
+    budget = next(float(o.split("=", 1)[1]) for o in ovr if o.startswith("loop.budget="))
+    return budget * MS_PER_NFE.get(m.name, 4.5) / 1000.0 + 40.0
+
+
+# ---------------------------------------------------------------------------------------------------- results
+def eval_rows(run_dir: Path, budget: float, fractions: Sequence[float]) -> list[dict[str, Any]]:
+    """The run's evaluations as budget points: ``[{budget, fraction, iteration, nfe, seconds, reward_images,
+    geneval, <category>...}]``. An evaluation belongs to the smallest fraction of ``budget`` its spent NFEs reach
+    that no earlier evaluation took (the run evaluates after the iteration that reaches each fraction)."""
+    rows = report.read_metrics(run_dir / "metrics.csv")
+    spent: dict[int, dict[str, float]] = {}
+    for r in rows:
+        if "cost/nfe_fwd_equiv_total" in r:
+            spent[int(r["iteration"])] = r
+    out, left = [], sorted(fractions)
+    for r in rows:
+        if "eval/geneval" not in r or not left:
+            continue
+        it = int(r["iteration"])
+        tr = spent.get(it)
+        if tr is None:
+            continue
+        nfe = tr["cost/nfe_fwd_equiv_total"]
+        hit = [f for f in left if nfe >= f * budget * (1 - 1e-9)]
+        if not hit:
+            continue
+        f = hit[0]
+        left.remove(f)
+        row = {"budget": int(round(f * budget)), "fraction": f, "iteration": it, "nfe": int(nfe),
+               "seconds": round(tr.get("cost/train_seconds_total", math.nan), 1),
+               "reward_images": int(tr.get("cost/reward_images_total", 0)), "geneval": r["eval/geneval"]}
+        for c in CATEGORIES:
+            row[c] = r.get(f"eval/geneval_{c}", math.nan)
+        out.append(row)
+    return out
+
+
+RESULT_COLUMNS = ["phase", "method", "seed", "lr", "budget", "fraction", "iteration", "nfe", "seconds",
+                  "reward_images", "geneval", *CATEGORIES]
+
+
+def collect(s: Settings, phases: Sequence[str] = ("table", "claims")) -> list[dict[str, Any]]:
+    """One row per finished run and budget point of ``phases`` (the runs on disk, whatever the plan)."""
+    import yaml
+
+    out = []
+    for phase in phases:
+        for mdir in sorted((s.out / phase).glob("*")):
+            if not mdir.is_dir() or mdir.name.startswith("."):
+                continue
+            for d in sorted(mdir.iterdir()):
+                if not d.is_dir() or d.name.startswith(".") or not report.run_finished(d):
+                    continue
+                cfg = yaml.safe_load((d / "config.yaml").read_text()) or {}
+                budget = float(cfg["loop"]["budget"])
+                fractions = cfg["eval"]["at_fractions"]
+                for r in eval_rows(d, budget, fractions):
+                    out.append({"phase": phase, "method": mdir.name, "seed": int(cfg["seed"]),
+                                "lr": lr_str(float(cfg["train"]["lr"])), **r})
+    return out
+
+
+def write_csv(rows: Sequence[dict[str, Any]], path: Path, columns: Sequence[str] = RESULT_COLUMNS) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w", newline="") as fh:
+        w = csv.DictWriter(fh, fieldnames=list(columns), extrasaction="ignore")
+        w.writeheader()
+        for r in rows:
+            w.writerow({k: (f"{v:.6g}" if isinstance(v, float) else v) for k, v in r.items()})
+    return path
+
+
+# ---------------------------------------------------------------------------------------------------- running
+def run_pool(runs: Sequence[Run], jobs: int, env: dict[str, str], log=print) -> list[int]:
+    """Run the runs ``jobs`` at a time, longest expected first; Ctrl-C / SIGTERM stops the running ones cleanly
+    (stepflow checkpoints and exits) and starts no more."""
+    from tqdm import tqdm
+
+    todo = sorted(runs, key=lambda r: -r.cost)
+    live: list[tuple[Run, subprocess.Popen, Any, float]] = []
+    codes: list[int] = []
+    stopping = False
+
+    def stop(signum, frame):  # noqa: ARG001
+        nonlocal stopping
+        stopping = True
+        for _, p, _, _ in live:
+            p.send_signal(signal.SIGTERM)
+
+    old = {sig: signal.signal(sig, stop) for sig in (signal.SIGINT, signal.SIGTERM)}
+    bar = tqdm(total=len(todo), desc="league", unit="run", dynamic_ncols=True)
+    try:
+        while todo or live:
+            while todo and len(live) < jobs and not stopping:
+                r = todo.pop(0)
+                r.run_dir.parent.mkdir(parents=True, exist_ok=True)
+                fh = open(r.run_dir.parent / f"{r.run_dir.name}.out", "a")
+                cmd = r.command()
+                fh.write(f"$ {shlex.join(cmd)}\n")
+                fh.flush()
+                live.append((r, subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=fh, stderr=subprocess.STDOUT,
+                                                 start_new_session=True), fh, time.time()))
+            if stopping and not live:
+                break
+            time.sleep(1.0)
+            for item in list(live):
+                r, p, fh, t0 = item
+                rc = p.poll()
+                if rc is None:
+                    continue
+                live.remove(item)
+                fh.close()
+                codes.append(rc)
+                bar.update(1)
+                msg = f"{r.phase}/{r.method.name}/{r.run_dir.name}: exit {rc} after {time.time() - t0:.0f} s"
+                bar.write(f"[league] {msg}" + ("" if rc == 0 else f" (log: {r.run_dir.parent / (r.run_dir.name + '.out')})"))
+    finally:
+        bar.close()
+        for sig, h in old.items():
+            signal.signal(sig, h)
+    return codes
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    extra: list[str] = []
+    if "--" in argv:
+        i = argv.index("--")
+        argv, extra = argv[:i], argv[i + 1:]
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                 epilog="Arguments after `--` are Hydra overrides added to every run.")
+    ap.add_argument("--quick", action="store_true", help="make league-quick: 4 methods, 2 seeds, one budget of 8,000")
+    ap.add_argument("--phase", default="all", choices=["grid", "table", "claims", "all"])
+    ap.add_argument("--methods", default=None, help="comma-separated method names (default: every league method)")
+    ap.add_argument("--seeds", default=None, help="comma-separated table seeds (default 0..4)")
+    ap.add_argument("--budget", type=float, default=None, help="forward-equivalent NFEs per run (default 30000)")
+    ap.add_argument("--no-claims", action="store_true", help="skip the claims arms")
+    ap.add_argument("--no-grid", action="store_true", help="skip the lr grid (every method at its config's lr)")
+    ap.add_argument("--out", default=None, help="run directory root (default outputs/league)")
+    ap.add_argument("--jobs", type=int, default=1, help="runs at once (default 1; 2 on 2 cores)")
+    ap.add_argument("--dry-run", action="store_true", help="print the plan and the commands, run nothing")
+    ap.add_argument("--report", action="store_true", help="only write the report from the runs on disk")
+    ap.add_argument("--docs", default=None, help="where the report goes (default docs/league; quick: <out>/report)")
+    ap.add_argument("--list", action="store_true", help="list the methods and claims arms")
+    a = ap.parse_args(argv)
+
+    if a.list:
+        for m in (*METHODS, *CLAIM_ARMS):
+            print(f"{m.name:26s} {shlex.join(m.base_overrides()) or '(defaults)':60s} {m.title}")
+        return 0
+    s = quick_settings() if a.quick else Settings()
+    if a.methods:
+        names = tuple(n.strip() for n in a.methods.split(",") if n.strip())
+        known = {m.name for m in METHODS}
+        bad = [n for n in names if n not in known]
+        if bad:
+            ap.error(f"--methods: unknown {bad}; choose from {sorted(known)}")
+        s.methods = names
+    if a.seeds:
+        s.seeds = tuple(int(x) for x in a.seeds.split(",") if x.strip())
+    if a.budget is not None:
+        if not a.budget > 0:
+            ap.error(f"--budget: must be > 0 forward-equivalent NFEs, got {a.budget}")
+        s.budget = a.budget
+    s.claims = s.claims and not a.no_claims
+    s.grid = s.grid and not a.no_grid
+    if a.out:
+        s.out = Path(a.out).resolve()
+    s.extra = tuple(extra)
+    docs = Path(a.docs).resolve() if a.docs else (DOCS if not a.quick and not a.out else s.out / "report")
+
+    if not a.report:
+        phases = ["grid", "table", "claims"] if a.phase == "all" else [a.phase]
+        env = dict(os.environ, HF_HUB_OFFLINE="1", WANDB_MODE="offline", TOKENIZERS_PARALLELISM="false",
+                   OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+        for ph in phases:  # the table's lr depends on the finished grid: plan each phase after the one before ran
+            try:
+                runs = plan(s, [ph])
+            except Exception as e:  # noqa: BLE001 - a bad override or experiment: one line
+                print(f"league: error: cannot compose a planned run: {' '.join(str(e).split())[:400]}", file=sys.stderr)
+                return 2
+            n = {k: sum(r.status == k for r in runs) for k in ("finished", "resume", "stale", "missing")}
+            hours = sum(r.cost for r in runs if r.status != "finished") / 3600 / max(a.jobs, 1)
+            print(f"[league] {ph}: {len(runs)} runs under {s.out / ph}: {n['finished']} finished, {n['resume']} to "
+                  f"resume, {n['stale']} stale, {n['missing']} to run (about {hours:.1f} h at --jobs {a.jobs})")
+            todo = [r for r in runs if r.status != "finished"]
+            if a.dry_run:
+                for r in todo:
+                    print(shlex.join(r.command()))
+                continue
+            for r in todo:
+                if r.status == "stale":
+                    dest = r.run_dir.parent / ".stale" / f"{r.run_dir.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+                    dest.parent.mkdir(parents=True, exist_ok=True)
+                    r.run_dir.rename(dest)
+                    print(f"[league]   stale {r.run_dir.name} ({r.reason}) moved to {dest}")
+            codes = run_pool(todo, a.jobs, env) if todo else []
+            if any(c != 0 for c in codes):
+                print(f"[league] {ph}: {sum(c != 0 for c in codes)} of {len(codes)} runs failed or were stopped")
+                return 1
+        if a.dry_run:
+            return 0
+    import league_report  # experiments/league_report.py
+
+    md = league_report.write_report(s, docs)
+    print(f"[league] report: {md}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
