@@ -119,6 +119,12 @@ CLAIM_ARMS: tuple[Method, ...] = (
 
 QUICK_METHODS = ("default", "allsteps", "flow_grpo", "nft")
 
+#: the base model's held-out evaluation (iteration 0 of a one-iteration run): at CFG 1, and at CFG 4.5 for the CFG arms
+BASES: tuple[Method, ...] = (
+    Method("base", None, (), "the base model"),
+    Method("base_cfg45", None, ("loop.guidance=4.5", "eval.guidance=4.5"), "the base model at CFG 4.5"),
+)
+
 
 @dataclass(frozen=True)
 class Claim:
@@ -269,6 +275,10 @@ def plan(s: Settings, phases: Sequence[str], check_config: bool = True) -> list[
     runs: list[Run] = []
     with composer() as compose:
         ms = [method(n) for n in s.methods]
+        if "base" in phases:
+            for m in BASES if s.claims else BASES[:1]:
+                ovr = [*m.base_overrides(), "loop.iterations=1", "eval.every=0", *s.extra]
+                runs += _runs("base", m, "", (0,), ovr, s, compose, check_config, lambda lr, sd: f"seed={sd}")
         if "grid" in phases and s.grid:
             for m in ms:
                 for lr in grid_lrs(configured_lr(m, compose), s.grid_factors):
@@ -311,7 +321,7 @@ MS_PER_NFE = {"grpo_guard": 18.0, "mixgrpo_flash": 17.0, "tempflow": 11.0, "danc
 
 
 def expected_seconds(m: Method, ovr: Sequence[str]) -> float:
-    budget = next(float(o.split("=", 1)[1]) for o in ovr if o.startswith("loop.budget="))
+    budget = next((float(o.split("=", 1)[1]) for o in ovr if o.startswith("loop.budget=")), 0.0)
     return budget * MS_PER_NFE.get(m.name, 4.5) / 1000.0 + 40.0
 
 
@@ -350,6 +360,19 @@ def eval_rows(run_dir: Path, budget: float, fractions: Sequence[float]) -> list[
 
 RESULT_COLUMNS = ["phase", "method", "seed", "lr", "budget", "fraction", "iteration", "nfe", "seconds",
                   "reward_images", "geneval", *CATEGORIES]
+
+
+def base_scores(s: Settings) -> dict[str, dict[str, float]]:
+    """``{base name: {"geneval": ..., <category>: ...}}`` from the base runs' iteration-0 evaluations."""
+    out = {}
+    for m in BASES:
+        f = s.out / "base" / m.name / "seed=0" / "metrics.csv"
+        if not f.is_file():
+            continue
+        r0 = next((r for r in report.read_metrics(f) if int(r["iteration"]) == 0 and "eval/geneval" in r), None)
+        if r0 is not None:
+            out[m.name] = {"geneval": r0["eval/geneval"], **{c: r0.get(f"eval/geneval_{c}", math.nan) for c in CATEGORIES}}
+    return out
 
 
 def collect(s: Settings, phases: Sequence[str] = ("table", "claims")) -> list[dict[str, Any]]:
@@ -443,7 +466,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                  epilog="Arguments after `--` are Hydra overrides added to every run.")
     ap.add_argument("--quick", action="store_true", help="make league-quick: 4 methods, 2 seeds, one budget of 8,000")
-    ap.add_argument("--phase", default="all", choices=["grid", "table", "claims", "all"])
+    ap.add_argument("--phase", default="all", choices=["base", "grid", "table", "claims", "all"])
     ap.add_argument("--methods", default=None, help="comma-separated method names (default: every league method)")
     ap.add_argument("--seeds", default=None, help="comma-separated table seeds (default 0..4)")
     ap.add_argument("--budget", type=float, default=None, help="forward-equivalent NFEs per run (default 30000)")
@@ -483,7 +506,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     docs = Path(a.docs).resolve() if a.docs else (DOCS if not a.quick and not a.out else s.out / "report")
 
     if not a.report:
-        phases = ["grid", "table", "claims"] if a.phase == "all" else [a.phase]
+        phases = ["base", "grid", "table", "claims"] if a.phase == "all" else [a.phase]
         env = dict(os.environ, HF_HUB_OFFLINE="1", WANDB_MODE="offline", TOKENIZERS_PARALLELISM="false",
                    OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
         for ph in phases:  # the table's lr depends on the finished grid: plan each phase after the one before ran
