@@ -69,7 +69,7 @@ report: install
 # seeds, lr chosen on a grid with other seeds, the paper's claims; LEAGUE_JOBS runs at once; reruns skip finished runs.
 LEAGUE_JOBS ?= 2
 league: install
-	$(VPY) experiments/league.py --jobs $(LEAGUE_JOBS) $(ARGS)
+	$(VPY) experiments/league.py --scale $(if $(filter paper,$(SCALE)),paper,$(if $(filter mini,$(SCALE)),mini,$(error SCALE must be mini or paper))) --jobs $(LEAGUE_JOBS) $(ARGS)
 
 league-quick: install
 	$(VPY) experiments/league.py --quick --jobs $(LEAGUE_JOBS) $(ARGS)

@@ -172,6 +172,7 @@ class Settings:
     grid: bool = True
     out: Path = OUT
     extra: tuple[str, ...] = ()
+    prefix: tuple[str, ...] = ()  #: a launcher each run's command goes through (srun ...)
     cap: int = 5000  #: loop.iterations: a cap the budget reaches first
 
     @property
@@ -181,6 +182,14 @@ class Settings:
     @property
     def grid_fractions(self) -> tuple[float, ...]:
         return tuple(f / self.grid_budget_fraction for f in self.fractions if f <= self.grid_budget_fraction + 1e-12)
+
+
+#: ``--scale paper``: the same methods on SD3.5-Medium with the GenEval rules served by a detector (reward=
+#: geneval_server, data=geneval: eval/geneval is GenEval's own score), 8 GPUs per run (trainer=ddp); each run is
+#: launched through ``--prefix`` (e.g. ``srun -N1 --gpus-per-node 8 --exclusive``) so the pool fills a cluster
+PAPER_EXTRA = ("model=sd35_medium", "trainer=ddp", "reward=geneval_server", "data=geneval", "loop.prompts_per_iter=8",
+               "eval.num_steps=40")
+PAPER_BUDGET = 5e6
 
 
 def quick_settings() -> Settings:
@@ -217,8 +226,8 @@ class Run:
     reason: str = ""
     cost: float = 1.0  #: expected seconds (for longest-first scheduling)
 
-    def command(self, python: str = sys.executable) -> list[str]:
-        cmd = [python, "-m", "stepflow.train", *self.overrides, f"seed={self.seed}",
+    def command(self, python: str = sys.executable, prefix: Sequence[str] = ()) -> list[str]:
+        cmd = [*prefix, python, "-m", "stepflow.train", *self.overrides, f"seed={self.seed}",
                f"hydra.run.dir={ablations.hydra_value(str(self.run_dir))}"]
         if self.status == "resume":
             cmd.append(f"ckpt_path={ablations.hydra_value(str(self.run_dir / 'checkpoints' / 'last.ckpt'))}")
@@ -407,7 +416,7 @@ def write_csv(rows: Sequence[dict[str, Any]], path: Path, columns: Sequence[str]
 
 
 # ---------------------------------------------------------------------------------------------------- running
-def run_pool(runs: Sequence[Run], jobs: int, env: dict[str, str], log=print) -> list[int]:
+def run_pool(runs: Sequence[Run], jobs: int, env: dict[str, str], prefix: Sequence[str] = ()) -> list[int]:
     """Run the runs ``jobs`` at a time, longest expected first; Ctrl-C / SIGTERM stops the running ones cleanly
     (stepflow checkpoints and exits) and starts no more."""
     from tqdm import tqdm
@@ -431,7 +440,7 @@ def run_pool(runs: Sequence[Run], jobs: int, env: dict[str, str], log=print) -> 
                 r = todo.pop(0)
                 r.run_dir.parent.mkdir(parents=True, exist_ok=True)
                 fh = open(r.run_dir.parent / f"{r.run_dir.name}.out", "a")
-                cmd = r.command()
+                cmd = r.command(prefix=prefix)
                 fh.write(f"$ {shlex.join(cmd)}\n")
                 fh.flush()
                 live.append((r, subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=fh, stderr=subprocess.STDOUT,
@@ -466,6 +475,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                  epilog="Arguments after `--` are Hydra overrides added to every run.")
     ap.add_argument("--quick", action="store_true", help="make league-quick: 4 methods, 2 seeds, one budget of 8,000")
+    ap.add_argument("--scale", default="mini", choices=["mini", "paper"],
+                    help="mini: the embedded world on the CPU; paper: SD3.5-M, GenEval, 8 GPUs per run (see --prefix)")
+    ap.add_argument("--prefix", default="", help="a launcher for every run's command, e.g. 'srun -N1 --gpus-per-node 8'")
     ap.add_argument("--phase", default="all", choices=["base", "grid", "table", "claims", "all"])
     ap.add_argument("--methods", default=None, help="comma-separated method names (default: every league method)")
     ap.add_argument("--seeds", default=None, help="comma-separated table seeds (default 0..4)")
@@ -485,6 +497,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"{m.name:26s} {shlex.join(m.base_overrides()) or '(defaults)':60s} {m.title}")
         return 0
     s = quick_settings() if a.quick else Settings()
+    if a.scale == "paper":
+        s.budget, s.out = PAPER_BUDGET, s.out.parent / f"{s.out.name}_paper"
+        extra = [*PAPER_EXTRA, *extra]
+    s.prefix = tuple(shlex.split(a.prefix))
     if a.methods:
         names = tuple(n.strip() for n in a.methods.split(",") if n.strip())
         known = {m.name for m in METHODS}
@@ -503,7 +519,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if a.out:
         s.out = Path(a.out).resolve()
     s.extra = tuple(extra)
-    docs = Path(a.docs).resolve() if a.docs else (DOCS if not a.quick and not a.out else s.out / "report")
+    docs = Path(a.docs).resolve() if a.docs else (DOCS if not (a.quick or a.out or a.scale == "paper") else s.out / "report")
 
     if not a.report:
         phases = ["base", "grid", "table", "claims"] if a.phase == "all" else [a.phase]
@@ -522,7 +538,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             todo = [r for r in runs if r.status != "finished"]
             if a.dry_run:
                 for r in todo:
-                    print(shlex.join(r.command()))
+                    print(shlex.join(r.command(prefix=s.prefix)))
                 continue
             for r in todo:
                 if r.status == "stale":
@@ -530,7 +546,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     dest.parent.mkdir(parents=True, exist_ok=True)
                     r.run_dir.rename(dest)
                     print(f"[league]   stale {r.run_dir.name} ({r.reason}) moved to {dest}")
-            codes = run_pool(todo, a.jobs, env) if todo else []
+            codes = run_pool(todo, a.jobs, env, s.prefix) if todo else []
             if any(c != 0 for c in codes):
                 print(f"[league] {ph}: {sum(c != 0 for c in codes)} of {len(codes)} runs failed or were stopped")
                 return 1

@@ -161,6 +161,16 @@ def test_bad_arguments_are_one_line(capsys):
     assert e.value.code == 2 and "--methods: unknown ['bogus']" in capsys.readouterr().err
 
 
+def test_paper_scale_plans_sd35_runs_through_the_prefix(capsys):
+    assert league.main(["--scale", "paper", "--phase", "table", "--methods", "nft", "--seeds", "0", "--no-grid",
+                        "--prefix", "srun -N1 --gpus-per-node 8", "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    cmd = next(line for line in out.splitlines() if line.startswith("srun"))
+    for part in ("srun -N1 --gpus-per-node 8 ", "experiment=league/nft", "model=sd35_medium", "trainer=ddp",
+                 "reward=geneval_server", "loop.budget=5000000", "league_paper/table/nft/seed=0"):
+        assert part in cmd, part
+
+
 @pytest.mark.slow
 def test_a_tiny_league_runs_resumes_nothing_and_reports(tmp_path):
     """Two methods, one seed, a budget of a few iterations: real runs through the pool, results.csv with a row per
