@@ -167,6 +167,7 @@ class Settings:
     grid_seeds: tuple[int, ...] = (100, 101)
     grid_factors: tuple[float, ...] = (1 / 3, 1.0, 3.0)
     grid_budget_fraction: float = 0.5  #: the grid runs to this fraction of the budget, evaluated at the fractions below it
+    grid_extend: int = 2  #: a best lr at the grid's edge adds the next one beyond it (×3 or ÷3), at most this often
     methods: tuple[str, ...] = tuple(m.name for m in METHODS)
     claims: bool = True
     grid: bool = True
@@ -213,6 +214,25 @@ def grid_lrs(lr: float, factors: Sequence[float]) -> list[str]:
     return [lr_str(lr * f) for f in factors]
 
 
+def grid_list(s: Settings, m: Method, lr0: float) -> list[str]:
+    """The method's grid: ``lr0 × grid_factors``, and while its finished runs put the best lr at an edge, the next lr
+    beyond that edge (a factor 3), at most ``grid_extend`` times: no method is held at the edge of a grid."""
+    lrs = sorted(lr0 * f for f in s.grid_factors)
+    for _ in range(s.grid_extend):
+        scores = grid_scores(s, m, [lr_str(x) for x in lrs])
+        if any(v is None for v in scores.values()):
+            break
+        vals = [scores[lr_str(x)] for x in lrs]
+        best = max(range(len(vals)), key=lambda i: vals[i])
+        if best == len(lrs) - 1:
+            lrs.append(lrs[-1] * 3)
+        elif best == 0:
+            lrs.insert(0, lrs[0] / 3)
+        else:
+            break
+    return [lr_str(x) for x in lrs]
+
+
 # ---------------------------------------------------------------------------------------------------- planning
 @dataclass
 class Run:
@@ -254,7 +274,7 @@ def chosen_lrs(s: Settings, compose) -> dict[str, tuple[str, str]]:
         if not s.grid:
             out[name] = (lr_str(lr0), "the config's lr (no grid)")
             continue
-        scores = grid_scores(s, m, grid_lrs(lr0, s.grid_factors))
+        scores = grid_scores(s, m, grid_list(s, m, lr0))
         if scores and all(v is not None for v in scores.values()):
             best = max(scores, key=lambda k: scores[k])
             out[name] = (best, "grid: " + ", ".join(f"{k} {v:.3f}" for k, v in scores.items()))
@@ -290,7 +310,7 @@ def plan(s: Settings, phases: Sequence[str], check_config: bool = True) -> list[
                 runs += _runs("base", m, "", (0,), ovr, s, compose, check_config, lambda lr, sd: f"seed={sd}")
         if "grid" in phases and s.grid:
             for m in ms:
-                for lr in grid_lrs(configured_lr(m, compose), s.grid_factors):
+                for lr in grid_list(s, m, configured_lr(m, compose)):
                     ovr = run_overrides(m, lr, s.grid_budget, s.grid_fractions, s)
                     runs += _runs("grid", m, lr, s.grid_seeds, ovr, s, compose, check_config, lambda lr, sd: f"lr={lr},seed={sd}")
         chosen = chosen_lrs(s, compose) if ({"table", "claims"} & set(phases)) else {}
@@ -525,17 +545,25 @@ def main(argv: Sequence[str] | None = None) -> int:
         phases = ["base", "grid", "table", "claims"] if a.phase == "all" else [a.phase]
         env = dict(os.environ, HF_HUB_OFFLINE="1", WANDB_MODE="offline", TOKENIZERS_PARALLELISM="false",
                    OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
-        for ph in phases:  # the table's lr depends on the finished grid: plan each phase after the one before ran
+        queue, tried = list(phases), set()
+        while queue:  # the table's lr depends on the finished grid: plan each phase after the one before ran
+            ph = queue.pop(0)
             try:
                 runs = plan(s, [ph])
             except Exception as e:  # noqa: BLE001 - a bad override or experiment: one line
                 print(f"league: error: cannot compose a planned run: {' '.join(str(e).split())[:400]}", file=sys.stderr)
                 return 2
+            if ph == "grid" and not a.dry_run and any(r.status != "finished" for r in runs):
+                queue.insert(0, "grid")  # after these runs the grid may extend at an edge: plan it again
             n = {k: sum(r.status == k for r in runs) for k in ("finished", "resume", "stale", "missing")}
             hours = sum(r.cost for r in runs if r.status != "finished") / 3600 / max(a.jobs, 1)
             print(f"[league] {ph}: {len(runs)} runs under {s.out / ph}: {n['finished']} finished, {n['resume']} to "
                   f"resume, {n['stale']} stale, {n['missing']} to run (about {hours:.1f} h at --jobs {a.jobs})")
             todo = [r for r in runs if r.status != "finished"]
+            if not a.dry_run and todo and {str(r.run_dir) for r in todo} <= tried:
+                print(f"[league] {ph}: {len(todo)} runs ran and are still unfinished (see their .out logs); stopping")
+                return 1
+            tried |= {str(r.run_dir) for r in todo}
             if a.dry_run:
                 for r in todo:
                     print(shlex.join(r.command(prefix=s.prefix)))

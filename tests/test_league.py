@@ -113,11 +113,36 @@ def test_the_lr_is_the_grid_argmax_over_its_seeds_and_evaluations(tmp_path):
     with composer() as compose:
         chosen = league.chosen_lrs(s, compose)
     assert chosen["default"][0] == "0.001" and "grid: 0.00033 0.405, 0.001 0.450, 0.003 0.410" in chosen["default"][1]
+    assert league.grid_list(s, league.method("default"), 1e-3) == ["0.00033", "0.001", "0.003"]  # best inside
     # an unfinished grid run: the config's lr, said so
     (tmp_path / "grid" / "default" / "lr=0.003,seed=101" / "lora" / "pytorch_lora_weights.safetensors").unlink()
     (tmp_path / "grid" / "default" / "lr=0.003,seed=101" / "metrics.csv").unlink()
     with composer() as compose:
         assert league.chosen_lrs(s, compose)["default"] == ("0.001", "the config's lr (grid unfinished)")
+
+
+def test_a_best_lr_at_the_grids_edge_extends_the_grid(tmp_path):
+    s = league.Settings(budget=1000, methods=("default",), out=tmp_path, grid_seeds=(100,))
+    from stepflow.config import composer
+
+    def put(lrv, g):
+        fake_run(tmp_path / "grid" / "default" / f"lr={lrv},seed=100", float(lrv), [(3, 260, g), (6, 510, g)], 500,
+                 [0.5, 1.0], 100)
+
+    for lrv, g in (("0.00033", 0.40), ("0.001", 0.42), ("0.003", 0.44)):
+        put(lrv, g)
+    m = league.method("default")
+    assert league.grid_list(s, m, 1e-3) == ["0.00033", "0.001", "0.003", "0.009"]
+    with composer() as compose:
+        assert league.chosen_lrs(s, compose)["default"][1] == "the config's lr (grid unfinished)"
+        assert [r.run_dir.name for r in league.plan(s, ["grid"], check_config=False) if r.status != "finished"] == \
+            ["lr=0.009,seed=100"]
+    put("0.009", 0.43)  # past the peak: the grid stops; 0.003 is chosen
+    assert league.grid_list(s, m, 1e-3) == ["0.00033", "0.001", "0.003", "0.009"]
+    with composer() as compose:
+        assert league.chosen_lrs(s, compose)["default"][0] == "0.003"
+    s.grid_extend = 0
+    assert league.grid_list(s, m, 1e-3) == ["0.00033", "0.001", "0.003"]
 
 
 def test_plan_skips_finished_runs_and_finds_stale_ones(tmp_path):
