@@ -436,6 +436,14 @@ def write_csv(rows: Sequence[dict[str, Any]], path: Path, columns: Sequence[str]
 
 
 # ---------------------------------------------------------------------------------------------------- running
+def record_run(r: Run, rc: int, wall_s: float) -> None:
+    """Append the run's exit and wall time to ``<out>/runs.jsonl`` (the report sums them: what the league cost)."""
+    out = r.run_dir.parents[2] / "runs.jsonl"
+    with out.open("a") as fh:
+        fh.write(json.dumps({"phase": r.phase, "method": r.method.name, "run": r.run_dir.name, "rc": rc,
+                             "wall_s": round(wall_s, 1), "end": time.strftime("%Y-%m-%dT%H:%M:%S")}) + "\n")
+
+
 def run_pool(runs: Sequence[Run], jobs: int, env: dict[str, str], prefix: Sequence[str] = ()) -> list[int]:
     """Run the runs ``jobs`` at a time, longest expected first; Ctrl-C / SIGTERM stops the running ones cleanly
     (stepflow checkpoints and exits) and starts no more."""
@@ -476,6 +484,7 @@ def run_pool(runs: Sequence[Run], jobs: int, env: dict[str, str], prefix: Sequen
                 live.remove(item)
                 fh.close()
                 codes.append(rc)
+                record_run(r, rc, time.time() - t0)
                 bar.update(1)
                 msg = f"{r.phase}/{r.method.name}/{r.run_dir.name}: exit {rc} after {time.time() - t0:.0f} s"
                 bar.write(f"[league] {msg}" + ("" if rc == 0 else f" (log: {r.run_dir.parent / (r.run_dir.name + '.out')})"))

@@ -172,6 +172,13 @@ def write_report(s, docs: Path) -> Path:
             f"{c.replace('_', ' ')} {b[c]:.2f}" for c in league.CATEGORIES) + ")"
           + (f"; at CFG 4.5 {bases['base_cfg45']['geneval']:.3f}" if "base_cfg45" in bases else "") + ".\n")
 
+    spent = league_cost(s)
+    if spent:
+        w("What the league cost (each run one torch thread; `runs.jsonl`): " + "; ".join(
+            f"{ph} {v['runs']} runs, {v['hours']:.1f} run-hours" for ph, v in spent.items())
+          + f"; in all {sum(v['hours'] for v in spent.values()):.1f} run-hours, "
+          f"{sum(v['hours'] for v in spent.values()) / 2:.1f} hours at `--jobs 2` on 2 cores.\n")
+
     # ---- main table
     w("## Held-out GenEval, mean ± 95 % confidence interval over seeds\n")
     w("| method | " + " | ".join(f"{b:,} NFEs" for b in budgets) + " | seeds | lr |")
@@ -215,6 +222,26 @@ def write_report(s, docs: Path) -> Path:
         w("|---|---|---|---|---|")
         for r in comp:
             w(f"| {r['method']} | {fmt(-r['diff'], r['half'])} | {r['n']} | {fmt_p(r['p'])} | {fmt_p(r['p_holm'])} |")
+        w("")
+
+    # ---- the lr grid
+    if s.grid:
+        from stepflow.config import composer
+
+        w(f"## Learning rates (the grid: seeds {', '.join(map(str, s.grid_seeds))}, "
+          f"{int(s.grid_budget):,} NFEs, mean of the held-out GenEval at {', '.join(f'{int(f * s.budget):,}' for f in s.fractions if f <= s.grid_budget_fraction + 1e-12)} NFEs)\n")
+        w("| method | config's lr | grid (lr: mean held-out GenEval) | chosen |")
+        w("|---|---|---|---|")
+        with composer() as compose:
+            chosen = league.chosen_lrs(s, compose)
+            for m in league.METHODS:
+                if m.name not in s.methods:
+                    continue
+                lr0 = league.configured_lr(m, compose)
+                scores = league.grid_scores(s, m, league.grid_list(s, m, lr0))
+                cells = ", ".join(f"{k}: {'—' if v is None else f'{v:.3f}'}" for k, v in scores.items())
+                lr, why = chosen[m.name]
+                w(f"| {m.name} | {league.lr_str(lr0)} | {cells} | {lr if why.startswith('grid') else '— (grid unfinished)'} |")
         w("")
 
     # ---- per category
@@ -283,6 +310,30 @@ def write_report(s, docs: Path) -> Path:
     md = docs / "report.md"
     md.write_text("\n".join(L) + "\n")
     return md
+
+
+def league_cost(s) -> dict[str, dict[str, float]]:
+    """``{phase: {runs, hours}}`` of the finished runs in ``<out>/runs.jsonl`` (the last record of each run)."""
+    import json
+
+    f = s.out / "runs.jsonl"
+    if not f.is_file():
+        return {}
+    last: dict[tuple, dict] = {}
+    total: dict[tuple, float] = defaultdict(float)
+    for line in f.read_text().splitlines():
+        if line.strip():
+            r = json.loads(line)
+            key = (r["phase"], r["method"], r["run"])
+            total[key] += float(r["wall_s"])  # an interrupted and resumed run: every attempt counts
+            last[key] = r
+    out: dict[str, dict[str, float]] = {}
+    for key, r in last.items():
+        if r["rc"] == 0:
+            d = out.setdefault(key[0], {"runs": 0, "hours": 0.0})
+            d["runs"] += 1
+            d["hours"] += total[key] / 3600
+    return out
 
 
 def _claim_budget(c, budgets: Sequence[int]) -> int | None:
