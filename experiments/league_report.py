@@ -305,8 +305,9 @@ def write_report(s, docs: Path) -> Path:
         w("## Curves\n\n![held-out GenEval against forward-equivalent NFEs, training seconds and iterations, mean over "
           "seeds](curves.png)\n")
     if plot_samples(s, league_methods, docs / "samples.png"):
-        w("## Samples\n\nThe final held-out samples of seed 0 of every method: the same prompts and initial noises "
-          "in every row.\n\n![every method's final samples on the same held-out prompts](samples.png)\n")
+        w("## Samples\n\nSeed 0 of every method at the end of its budget (the EMA adapter it saved), on the same 12 "
+          "held-out prompts (two per GenEval category) with the same initial noises; a green frame: GenEval's rules "
+          "pass the image, red: they do not.\n\n![every method's samples on the same held-out prompts](samples.png)\n")
     md = docs / "report.md"
     md.write_text("\n".join(L) + "\n")
     return md
@@ -437,29 +438,60 @@ def plot_curves(s, methods: Sequence[str], path: Path) -> bool:
     return True
 
 
+def sample_rows(s, methods: Sequence[str], seed: int = 0, prompts: int = 12, noise_seed: int = 1234):
+    """Per method with a finished table run of ``seed``: its final adapter's ODE samples of the same
+    category-balanced ``prompts`` held-out prompts with the same initial noises (``python -m stepflow.evaluate
+    lora_path=<run>/lora max_prompts=12 seed=1234``, in process). Returns ``(prompts, [(method, images, strict)])``."""
+    from ablations import hydra_value
+    from stepflow.config import compose
+    from stepflow.evaluate import load_policy, load_records, settings
+    from stepflow.heldout import evaluate_geneval
+    from stepflow.rewards.shapes_geneval import judge_batch
+
+    rows, texts = [], None
+    for m in methods:
+        run = s.out / "table" / m / f"seed={seed}"
+        lora = run / "lora"
+        if not (lora / "pytorch_lora_weights.safetensors").is_file():
+            continue
+        cfg = settings(compose("evaluate", [f"lora_path={hydra_value(str(lora))}", f"max_prompts={prompts}", f"seed={noise_seed}",
+                                            "grid.per_category=0"]))
+        policy = load_policy(cfg)
+        _, images, recs = evaluate_geneval(policy, load_records(cfg), num_steps=cfg.sampler.num_steps, guidance=1.0,
+                                           seed=noise_seed, num_per_prompt=1, max_prompts=prompts, batch_size=64)
+        texts = [r["prompt"] for r in recs]
+        rows.append((m, images, [bool(j.strict) for j in judge_batch(images, texts)]))
+    return texts, rows
+
+
 def plot_samples(s, methods: Sequence[str], path: Path, seed: int = 0) -> bool:
-    """One row per method: the top row (8 prompts) of its final held-out grid of ``seed``."""
+    """One row per method: :func:`sample_rows`, each image framed green when GenEval's rules pass it, red when not."""
+    texts, rows = sample_rows(s, methods, seed)
+    if not rows:
+        return False
+    import textwrap
+
     import matplotlib
 
     matplotlib.use("Agg", force=False)
-    import matplotlib.image as mpimg
     import matplotlib.pyplot as plt
 
-    strips = []
-    for m in methods:
-        grids = sorted((s.out / "table" / m / f"seed={seed}" / "eval_grids").glob("iter_*.png"))
-        if grids:
-            img = mpimg.imread(grids[-1])
-            strips.append((m, img[: img.shape[0] // 3]))  # 24 prompts in 3 rows of 8: the first row
-    if not strips:
-        return False
-    h, wd = strips[0][1].shape[:2]
-    fig, axes = plt.subplots(len(strips), 1, figsize=(wd / 100, h / 100 * len(strips) * 1.02), squeeze=False)
-    for ax, (m, img) in zip(axes[:, 0], strips):
-        ax.imshow(img)
-        ax.set_axis_off()
-        ax.set_title(m, fontsize=9, loc="left")
+    n = len(texts)
+    fig, axes = plt.subplots(len(rows), n, figsize=(1.25 * n + 1.6, 1.3 * len(rows) + 0.9), squeeze=False)
+    for i, (m, images, ok) in enumerate(rows):
+        for j in range(n):
+            ax = axes[i, j]
+            ax.imshow(images[j].float().clamp(0, 1).permute(1, 2, 0).cpu().numpy(), interpolation="nearest")
+            ax.set_xticks([]), ax.set_yticks([])
+            for sp in ax.spines.values():
+                sp.set_color("tab:green" if ok[j] else "tab:red")
+                sp.set_linewidth(2)
+            if i == 0:
+                ax.set_title("\n".join(textwrap.wrap(texts[j], 18)[:3]), fontsize=6)
+            if j == 0:
+                ax.set_ylabel(f"{m}\n{sum(ok)}/{n}", fontsize=7, rotation=0, ha="right", va="center")
     fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return True
