@@ -212,3 +212,15 @@ def test_a_tiny_league_runs_resumes_nothing_and_reports(tmp_path):
     assert [r.status for r in runs] == ["finished", "finished"]
     md = (out / "report" / "report.md").read_text()
     assert "95 % confidence interval" in md and "| default (" in md
+
+
+def test_the_league_cost_sums_every_attempt_of_a_finished_run(tmp_path):
+    import json
+
+    s = league.Settings(out=tmp_path)
+    recs = [("grid", "nft", "lr=0.001,seed=100", 143, 100.0), ("grid", "nft", "lr=0.001,seed=100", 0, 260.0),
+            ("grid", "nft", "lr=0.003,seed=100", 0, 360.0), ("table", "default", "seed=0", 1, 50.0)]
+    (tmp_path / "runs.jsonl").write_text("".join(json.dumps({"phase": p, "method": m, "run": r, "rc": rc, "wall_s": w})
+                                                 + "\n" for p, m, r, rc, w in recs))
+    cost = lr.league_cost(s)
+    assert cost == {"grid": {"runs": 2, "hours": pytest.approx((100 + 260 + 360) / 3600)}}  # the failed run: left out
