@@ -172,6 +172,13 @@ def write_report(s, docs: Path) -> Path:
             f"{c.replace('_', ' ')} {b[c]:.2f}" for c in league.CATEGORIES) + ")"
           + (f"; at CFG 4.5 {bases['base_cfg45']['geneval']:.3f}" if "base_cfg45" in bases else "") + ".\n")
 
+    done = []
+    for ph in ("grid", "table", "claims"):
+        runs = league.plan(s, [ph], check_config=False)
+        if runs:
+            done.append(f"{ph} {sum(r.status == 'finished' for r in runs)} of {len(runs)}")
+    if done:
+        w("Runs finished: " + ", ".join(done) + " (a rerun of `make league` completes the rest).\n")
     spent = league_cost(s)
     if spent:
         w("What the league cost (each run one torch thread; `runs.jsonl`): " + "; ".join(
