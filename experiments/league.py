@@ -339,6 +339,9 @@ def _runs(phase, m, lr, seeds, ovr, s: Settings, compose, check_config, name) ->
     for seed in seeds:
         d = s.out / phase / m.name / name(lr, seed)
         status, reason = ablations.job_status(d, planned)
+        budget = next(float(o.split("=", 1)[1]) for o in ovr if o.startswith("loop.budget=")) if phase != "base" else 0
+        if status == "finished" and budget and not any(r["fraction"] == 1.0 for r in eval_rows(d, budget, [1.0])):
+            status, reason = "stale", "its adapter exists but it stopped before its budget (a signal, before the fix)"
         out.append(Run(phase, m, lr, seed, d, list(ovr), status, reason, cost=expected_seconds(m, ovr)))
     return out
 

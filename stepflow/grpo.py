@@ -220,7 +220,13 @@ class GRPOModule(L.LightningModule):
         # every rank decides together: a signal seen by one rank only (or by one rank earlier) must not stop it
         # alone, the others would wait in the next iteration's collectives (the budget is the same on every rank:
         # its counters are reduced over ranks)
-        if done or Dist.from_module(self).stop_requested():
+        if Dist.from_module(self).stop_requested() and not done:
+            from stepflow import stop  # a stop seen here, between iterations: the run is not finished, so
+            # on_train_end must not write its final outputs (the adapter marks a finished run for every suite)
+            self.stop_reason = f"stopped by {stop.reason()} after iteration {self.iteration}"
+            self.stop_signal = stop.reason()
+            self.trainer.should_stop = True
+        if done:
             self.trainer.should_stop = True  # epochs only tick; the iteration counter (checkpointed) decides
 
     def _budget_spent(self) -> bool:

@@ -107,6 +107,36 @@ def test_training_runs_under_stepflows_signal_handler_only(tmp_path, monkeypatch
     assert signal.getsignal(signal.SIGTERM) is not seen[0][0]  # restored after the run
 
 
+def test_a_stop_between_iterations_leaves_the_run_unfinished_and_resumable(tmp_path, monkeypatch):
+    """A signal that arrives after an iteration's last phase (seen at the iteration boundary) stops the run with the
+    resume line, and the run does not write its final outputs: the adapter marks a finished run for the ablation
+    suites and the league, which would then never resume it (a league run stopped so kept 1 of its 8 iterations)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "experiments"))
+    import report
+
+    from stepflow import stop
+    from stepflow.errors import StepflowError
+    from stepflow.grpo import GRPOModule
+    from stepflow.train import run
+
+    iterate = GRPOModule.iterate
+
+    def then_signal(self, *a, **k):
+        out = iterate(self, *a, **k)
+        stop.request("SIGTERM")  # after the iteration's phases: only the boundary check can see it
+        return out
+
+    monkeypatch.setattr(GRPOModule, "iterate", then_signal)
+    try:
+        with pytest.raises(StepflowError, match="stopped by SIGTERM after iteration 1; resume: ") as e:
+            run(compose_config("train", ["experiment=smoke", "loop.iterations=3"]), tmp_path)
+    finally:
+        stop.clear()
+    assert e.value.exit_code == 143
+    assert not (tmp_path / "lora").exists() and not report.run_finished(tmp_path)
+    assert (tmp_path / "checkpoints" / "last.ckpt").is_file()
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("sig,code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
 def test_a_signal_checkpoints_prints_the_resume_command_and_exits_non_zero(tmp_path, sig, code):

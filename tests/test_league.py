@@ -165,6 +165,11 @@ def test_plan_skips_finished_runs_and_finds_stale_ones(tmp_path):
         (d / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
     st = {r.run_dir.name: (r.status, r.reason) for r in league.plan(s, ["table"])}
     assert st["seed=0"] == ("finished", "") and st["seed=1"][0] == "stale" and "train.lr" in st["seed=1"][1]
+    # an adapter written by a run stopped before its budget (a signal seen between iterations, before that was fixed)
+    m = (tmp_path / "table" / "default" / "seed=0" / "metrics.csv")
+    m.write_text(m.read_text().replace("1100", "400"))
+    st = {r.run_dir.name: (r.status, r.reason) for r in league.plan(s, ["table"])}
+    assert st["seed=0"][0] == "stale" and "stopped before its budget" in st["seed=0"][1]
 
 
 def test_every_method_and_claim_arm_composes_and_claims_name_known_arms():
