@@ -487,12 +487,17 @@ def run_commands(cmds: Sequence[list[str]], env: dict[str, str], concurrent: boo
     return codes
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def split_overrides(argv: Sequence[str] | None) -> tuple[list[str], list[str]]:
+    """``(options, hydra overrides)``: the command line split at its first ``--`` (``sys.argv[1:]`` when None)."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    extra: list[str] = []
     if "--" in argv:
         i = argv.index("--")
-        argv, extra = argv[:i], argv[i + 1:]
+        return argv[:i], argv[i + 1:]
+    return argv, []
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv, extra = split_overrides(argv)
     suites = build_suites()
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                  epilog="Arguments after `--` are Hydra overrides added to every run.")

@@ -499,11 +499,7 @@ def run_pool(runs: Sequence[Run], jobs: int, env: dict[str, str], prefix: Sequen
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    extra: list[str] = []
-    if "--" in argv:
-        i = argv.index("--")
-        argv, extra = argv[:i], argv[i + 1:]
+    argv, extra = ablations.split_overrides(argv)
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                  epilog="Arguments after `--` are Hydra overrides added to every run.")
     ap.add_argument("--quick", action="store_true", help="make league-quick: 4 methods, 2 seeds, one budget of 8,000")
@@ -582,9 +578,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 continue
             for r in todo:
                 if r.status == "stale":
-                    dest = r.run_dir.parent / ".stale" / f"{r.run_dir.name}-{time.strftime('%Y%m%d-%H%M%S')}"
-                    dest.parent.mkdir(parents=True, exist_ok=True)
-                    r.run_dir.rename(dest)
+                    dest = ablations.move_stale(r)  # reads only r.run_dir
                     print(f"[league]   stale {r.run_dir.name} ({r.reason}) moved to {dest}")
             codes = run_pool(todo, a.jobs, env, s.prefix) if todo else []
             if any(c != 0 for c in codes):
