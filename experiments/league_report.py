@@ -450,6 +450,7 @@ def sample_rows(s, methods: Sequence[str], seed: int = 0, prompts: int = 12, noi
     category-balanced ``prompts`` held-out prompts with the same initial noises (``python -m stepflow.evaluate
     lora_path=<run>/lora max_prompts=12 seed=1234``, in process). Returns ``(prompts, [(method, images, strict)])``."""
     from ablations import hydra_value
+
     from stepflow.config import compose
     from stepflow.evaluate import load_policy, load_records, settings
     from stepflow.heldout import evaluate_geneval
