@@ -175,6 +175,12 @@ class Settings:
     extra: tuple[str, ...] = ()
     prefix: tuple[str, ...] = ()  #: a launcher each run's command goes through (srun ...)
     cap: int = 5000  #: loop.iterations: a cap the budget reaches first
+    #: the committed ledger (the report's directory, docs/league for make league): every finished run's config.yaml,
+    #: metrics.csv and adapter are copied to ``<ledger>/runs/<phase>/<method>/<run>`` and restored into ``out`` when
+    #: ``out`` lacks them (a fresh clone resumes the league where the last commit left it); its results.csv and
+    #: lr_grid.csv rows count as finished runs where neither ``out`` nor ``runs/`` has the run (runs measured before
+    #: the archive existed). None: ``out`` only.
+    ledger: Path | None = None
 
     @property
     def grid_budget(self) -> float:
@@ -290,10 +296,14 @@ def grid_scores(s: Settings, m: Method, lrs: Sequence[str]) -> dict[str, float |
         vals = []
         for seed in s.grid_seeds:
             d = s.out / "grid" / m.name / f"lr={lr},seed={seed}"
-            if not report.run_finished(d):
+            if finished(d):
+                vals += [r["geneval"] for r in eval_rows(d, s.grid_budget, s.grid_fractions)]
+                continue
+            rows = [] if d.exists() else ledger_run_rows(s, "grid", m.name, seed, lr, s.grid_fractions)
+            if not rows:
                 vals = None
                 break
-            vals += [r["geneval"] for r in eval_rows(d, s.grid_budget, s.grid_fractions)]
+            vals += [r["geneval"] for r in rows]
         scores[lr] = (sum(vals) / len(vals)) if vals else None
     return scores
 
@@ -302,6 +312,7 @@ def plan(s: Settings, phases: Sequence[str], check_config: bool = True) -> list[
     from stepflow.config import composer
 
     runs: list[Run] = []
+    restore_archive(s)
     with composer() as compose:
         ms = [method(n) for n in s.methods]
         if "base" in phases:
@@ -339,9 +350,14 @@ def _runs(phase, m, lr, seeds, ovr, s: Settings, compose, check_config, name) ->
     for seed in seeds:
         d = s.out / phase / m.name / name(lr, seed)
         status, reason = ablations.job_status(d, planned)
+        if status == "missing" and finished(d):  # restored from the ledger without its adapter
+            status, reason = "finished", ""
         budget = next(float(o.split("=", 1)[1]) for o in ovr if o.startswith("loop.budget=")) if phase != "base" else 0
         if status == "finished" and budget and not any(r["fraction"] == 1.0 for r in eval_rows(d, budget, [1.0])):
             status, reason = "stale", "its adapter exists but it stopped before its budget (a signal, before the fix)"
+        if status == "missing" and not d.exists() and budget and \
+                ledger_run_rows(s, phase, m.name, seed, lr, planned_fractions(ovr)):
+            status, reason = "finished", "in the ledger's csv (measured before runs were archived)"
         out.append(Run(phase, m, lr, seed, d, list(ovr), status, reason, cost=expected_seconds(m, ovr)))
     return out
 
@@ -355,6 +371,142 @@ MS_PER_NFE = {"grpo_guard": 18.0, "mixgrpo_flash": 17.0, "tempflow": 11.0, "danc
 def expected_seconds(m: Method, ovr: Sequence[str]) -> float:
     budget = next((float(o.split("=", 1)[1]) for o in ovr if o.startswith("loop.budget=")), 0.0)
     return budget * MS_PER_NFE.get(m.name, 4.5) / 1000.0 + 40.0
+
+
+def planned_fractions(ovr: Sequence[str]) -> list[float]:
+    v = next((o.split("=", 1)[1] for o in ovr if o.startswith("eval.at_fractions=")), "[]")
+    return [float(x) for x in v.strip("[]").split(",") if x.strip()]
+
+
+# ---------------------------------------------------------------------------------------------------- the ledger
+ARCHIVED = ("config.yaml", "metrics.csv")  #: what of every finished run the ledger keeps (tens of kB)
+MARKER = "archived.json"  #: written into the ledger's copy: the run finished (its adapter may not be kept)
+
+
+def keeps_adapter(phase: str, run: str) -> bool:
+    """The ledger keeps the adapter (1 MB) of the table's seed 0 only: the image grids are drawn from it."""
+    return phase == "table" and run == "seed=0"
+
+
+def finished(run_dir: Path) -> bool:
+    """A finished run: :func:`report.run_finished`, or a run restored from the ledger (its marker, no checkpoint
+    written since)."""
+    run_dir = Path(run_dir)
+    if report.run_finished(run_dir):
+        return True
+    return (run_dir / MARKER).is_file() and (run_dir / "metrics.csv").is_file() and \
+        not (run_dir / "checkpoints" / "last.ckpt").is_file()
+
+
+def run_name(phase: str, lr: str, seed: int) -> str:
+    return f"lr={lr},seed={seed}" if phase == "grid" else f"seed={seed}"
+
+
+def archive_run(s: Settings, run_dir: Path) -> Path | None:
+    """Copy a finished run's :data:`ARCHIVED` files (and the adapter where :func:`keeps_adapter`) to
+    ``<ledger>/runs/<phase>/<method>/<run>``, replacing an older copy; returns the copy, or None without a ledger,
+    for a run outside ``out`` or an unfinished one."""
+    import shutil
+
+    run_dir = Path(run_dir)
+    if s.ledger is None or not finished(run_dir):
+        return None
+    try:
+        rel = run_dir.resolve().relative_to(Path(s.out).resolve())
+    except ValueError:
+        return None
+    if len(rel.parts) != 3:
+        return None
+    dest = s.ledger / "runs" / rel
+    tmp = dest.parent / f".{dest.name}.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    for name in ARCHIVED:
+        shutil.copy2(run_dir / name, tmp / name)
+    adapter = keeps_adapter(rel.parts[0], rel.parts[2]) and (run_dir / "lora").is_dir()
+    if adapter:
+        shutil.copytree(run_dir / "lora", tmp / "lora")
+    (tmp / MARKER).write_text(json.dumps({"phase": rel.parts[0], "method": rel.parts[1], "run": rel.parts[2],
+                                          "adapter": adapter, "archived": time.strftime("%Y-%m-%dT%H:%M:%S")}) + "\n")
+    shutil.rmtree(dest, ignore_errors=True)
+    tmp.rename(dest)
+    return dest
+
+
+def sync_archive(s: Settings) -> int:
+    """Archive every finished run under ``out`` whose copy is missing or older; returns how many were copied."""
+    if s.ledger is None:
+        return 0
+    n = 0
+    for metrics in sorted(Path(s.out).glob("*/*/*/metrics.csv")):
+        d = metrics.parent
+        if any(part.startswith(".") for part in d.relative_to(s.out).parts) or not finished(d):
+            continue
+        copy = s.ledger / "runs" / d.relative_to(s.out) / "metrics.csv"
+        if copy.is_file() and copy.read_bytes() == metrics.read_bytes():
+            continue
+        n += archive_run(s, d) is not None
+    return n
+
+
+def restore_archive(s: Settings) -> int:
+    """Copy every archived run that ``out`` lacks (no config.yaml there) back into ``out``; returns how many."""
+    import shutil
+
+    if s.ledger is None or not (s.ledger / "runs").is_dir():
+        return 0
+    n = 0
+    root = s.ledger / "runs"
+    for cfg in sorted(root.glob("*/*/*/config.yaml")):
+        src = cfg.parent
+        if any(part.startswith(".") for part in src.relative_to(root).parts):
+            continue
+        dest = Path(s.out) / src.relative_to(root)
+        if (dest / "config.yaml").is_file():
+            continue
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copytree(src, dest, dirs_exist_ok=True)
+        n += 1
+    return n
+
+
+_LEDGER_CACHE: dict[Path, tuple[float, list[dict[str, Any]]]] = {}
+
+
+def ledger_rows(s: Settings, phase: str) -> list[dict[str, Any]]:
+    """The ledger csv's rows of ``phase`` (lr_grid.csv for the grid, results.csv otherwise), typed as
+    :func:`collect` returns them."""
+    if s.ledger is None:
+        return []
+    f = s.ledger / ("lr_grid.csv" if phase == "grid" else "results.csv")
+    if not f.is_file():
+        return []
+    mtime = f.stat().st_mtime
+    if f not in _LEDGER_CACHE or _LEDGER_CACHE[f][0] != mtime:
+        rows = []
+        with f.open(newline="") as fh:
+            for r in csv.DictReader(fh):
+                try:
+                    row: dict[str, Any] = {"phase": r["phase"], "method": r["method"], "seed": int(r["seed"]),
+                                           "lr": lr_str(float(r["lr"])), "budget": int(r["budget"]),
+                                           "fraction": float(r["fraction"]), "iteration": int(r["iteration"]),
+                                           "nfe": int(r["nfe"]), "seconds": float(r["seconds"]),
+                                           "reward_images": int(r["reward_images"]), "geneval": float(r["geneval"])}
+                    row.update({c: float(r[c]) if r.get(c) not in (None, "") else math.nan for c in CATEGORIES})
+                except (KeyError, TypeError, ValueError):
+                    continue
+                rows.append(row)
+        _LEDGER_CACHE[f] = (mtime, rows)
+    return [r for r in _LEDGER_CACHE[f][1] if r["phase"] == phase]
+
+
+def ledger_run_rows(s: Settings, phase: str, method_name: str, seed: int, lr: str,
+                    fractions: Sequence[float]) -> list[dict[str, Any]]:
+    """The ledger's rows of one run at ``fractions``, or [] unless it has every one of them."""
+    rows = [r for r in ledger_rows(s, phase) if r["method"] == method_name and r["seed"] == seed
+            and r["lr"] == lr_str(float(lr)) and any(abs(r["fraction"] - f) < 1e-9 for f in fractions)]
+    got = {round(r["fraction"], 9) for r in rows}
+    return rows if fractions and got >= {round(f, 9) for f in fractions} else []
 
 
 # ---------------------------------------------------------------------------------------------------- results
@@ -413,18 +565,23 @@ def collect(s: Settings, phases: Sequence[str] = ("table", "claims")) -> list[di
 
     out = []
     for phase in phases:
+        on_disk = set()
         for mdir in sorted((s.out / phase).glob("*")):
             if not mdir.is_dir() or mdir.name.startswith("."):
                 continue
             for d in sorted(mdir.iterdir()):
-                if not d.is_dir() or d.name.startswith(".") or not report.run_finished(d):
+                if not d.is_dir() or d.name.startswith(".") or not finished(d):
                     continue
                 cfg = yaml.safe_load((d / "config.yaml").read_text()) or {}
+                on_disk.add((mdir.name, d.name))
                 budget = float(cfg["loop"]["budget"])
                 fractions = cfg["eval"]["at_fractions"]
                 for r in eval_rows(d, budget, fractions):
                     out.append({"phase": phase, "method": mdir.name, "seed": int(cfg["seed"]),
                                 "lr": lr_str(float(cfg["train"]["lr"])), **r})
+        out += [r for r in ledger_rows(s, phase)  # runs measured before the archive: their committed rows
+                if (r["method"], run_name(phase, r["lr"], r["seed"])) not in on_disk
+                and not (s.out / phase / r["method"] / run_name(phase, r["lr"], r["seed"])).exists()]
     return out
 
 
@@ -439,17 +596,20 @@ def write_csv(rows: Sequence[dict[str, Any]], path: Path, columns: Sequence[str]
 
 
 # ---------------------------------------------------------------------------------------------------- running
-def record_run(r: Run, rc: int, wall_s: float) -> None:
-    """Append the run's exit and wall time to ``<out>/runs.jsonl`` (the report sums them: what the league cost)."""
-    out = r.run_dir.parents[2] / "runs.jsonl"
+def record_run(r: Run, rc: int, wall_s: float, ledger: Path | None = None) -> None:
+    """Append the run's exit and wall time to ``<out>/runs.jsonl``, or with a ledger to ``<ledger>/runs.jsonl``
+    (the report sums them: what the league cost)."""
+    out = (ledger if ledger is not None else r.run_dir.parents[2]) / "runs.jsonl"
+    out.parent.mkdir(parents=True, exist_ok=True)
     with out.open("a") as fh:
         fh.write(json.dumps({"phase": r.phase, "method": r.method.name, "run": r.run_dir.name, "rc": rc,
                              "wall_s": round(wall_s, 1), "end": time.strftime("%Y-%m-%dT%H:%M:%S")}) + "\n")
 
 
-def run_pool(runs: Sequence[Run], jobs: int, env: dict[str, str], prefix: Sequence[str] = ()) -> list[int]:
+def run_pool(runs: Sequence[Run], jobs: int, env: dict[str, str], prefix: Sequence[str] = (),
+             s: Settings | None = None) -> list[int]:
     """Run the runs ``jobs`` at a time, longest expected first; Ctrl-C / SIGTERM stops the running ones cleanly
-    (stepflow checkpoints and exits) and starts no more."""
+    (stepflow checkpoints and exits) and starts no more. With ``s``, each finished run goes to its ledger."""
     from tqdm import tqdm
 
     todo = sorted(runs, key=lambda r: -r.cost)
@@ -487,7 +647,12 @@ def run_pool(runs: Sequence[Run], jobs: int, env: dict[str, str], prefix: Sequen
                 live.remove(item)
                 fh.close()
                 codes.append(rc)
-                record_run(r, rc, time.time() - t0)
+                record_run(r, rc, time.time() - t0, None if s is None else s.ledger)
+                if s is not None and rc == 0:
+                    try:
+                        archive_run(s, r.run_dir)
+                    except OSError as e:  # the run is kept in out; the next --report archives it
+                        bar.write(f"[league] could not archive {r.run_dir}: {e}")
                 bar.update(1)
                 msg = f"{r.phase}/{r.method.name}/{r.run_dir.name}: exit {rc} after {time.time() - t0:.0f} s"
                 bar.write(f"[league] {msg}" + ("" if rc == 0 else f" (log: {r.run_dir.parent / (r.run_dir.name + '.out')})"))
@@ -548,6 +713,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         s.out = Path(a.out).resolve()
     s.extra = tuple(extra)
     docs = Path(a.docs).resolve() if a.docs else (DOCS if not (a.quick or a.out or a.scale == "paper") else s.out / "report")
+    s.ledger = docs
 
     if not a.report:
         phases = ["base", "grid", "table", "claims"] if a.phase == "all" else [a.phase]
@@ -580,7 +746,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 if r.status == "stale":
                     dest = ablations.move_stale(r)  # reads only r.run_dir
                     print(f"[league]   stale {r.run_dir.name} ({r.reason}) moved to {dest}")
-            codes = run_pool(todo, a.jobs, env, s.prefix) if todo else []
+            codes = run_pool(todo, a.jobs, env, s.prefix, s) if todo else []
             if any(c != 0 for c in codes):
                 print(f"[league] {ph}: {sum(c != 0 for c in codes)} of {len(codes)} runs failed or were stopped")
                 return 1
@@ -588,6 +754,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 0
     import league_report  # experiments/league_report.py
 
+    restore_archive(s)
+    sync_archive(s)
     md = league_report.write_report(s, docs)
     print(f"[league] report: {md}")
     return 0

@@ -324,7 +324,7 @@ def league_cost(s) -> dict[str, dict[str, float]]:
     """``{phase: {runs, hours}}`` of the finished runs in ``<out>/runs.jsonl`` (the last record of each run)."""
     import json
 
-    f = s.out / "runs.jsonl"
+    f = (s.out if getattr(s, "ledger", None) is None else s.ledger) / "runs.jsonl"
     if not f.is_file():
         return {}
     last: dict[tuple, dict] = {}
@@ -371,7 +371,7 @@ def cost_table(s, methods: Sequence[str]) -> dict[str, dict[str, float]]:
         per = defaultdict(list)
         for phase in ("table", "claims"):
             for d in sorted((s.out / phase / m).glob("seed=*")):
-                if not d.is_dir() or not report.run_finished(d):
+                if not d.is_dir() or not league.finished(d):
                     continue
                 tr = [r for r in report.read_metrics(d / "metrics.csv") if "time/iteration_s" in r]
                 if not tr:
@@ -388,28 +388,23 @@ def cost_table(s, methods: Sequence[str]) -> dict[str, dict[str, float]]:
     return out
 
 
-def _curves(s, m: str) -> dict[str, list[tuple[float, float, float, float]]]:
-    """Per seed: [(nfe, seconds, iteration, geneval)] of every evaluation of the run."""
-    import report
+def _curves(s, m: str, rows: Sequence[dict[str, Any]] | None = None) -> dict[int, list[tuple[float, float, float, float]]]:
+    """Per seed: [(nfe, seconds, iteration, geneval)] of every evaluation of the method's runs (``rows``:
+    :func:`league.collect`'s, read when not given; the ledger's rows of runs measured before the archive count)."""
+    import league
 
-    out = {}
-    for phase in ("table", "claims"):
-        for d in sorted((s.out / phase / m).glob("seed=*")):
-            if not d.is_dir() or not report.run_finished(d):
-                continue
-            rows = report.read_metrics(d / "metrics.csv")
-            spent = {int(r["iteration"]): r for r in rows if "cost/nfe_fwd_equiv_total" in r}
-            pts = [(spent[int(r["iteration"])]["cost/nfe_fwd_equiv_total"],
-                    spent[int(r["iteration"])].get("cost/train_seconds_total", math.nan), r["iteration"],
-                    r["eval/geneval"]) for r in rows if "eval/geneval" in r and int(r["iteration"]) in spent]
-            out[d.name] = pts
-    return out
+    rows = league.collect(s) if rows is None else rows
+    out: dict[int, list[tuple[float, float, float, float]]] = defaultdict(list)
+    for r in sorted((r for r in rows if r["method"] == m), key=lambda r: (r["seed"], r["fraction"])):
+        out[r["seed"]].append((float(r["nfe"]), float(r["seconds"]), float(r["iteration"]), float(r["geneval"])))
+    return dict(out)
 
 
 def plot_curves(s, methods: Sequence[str], path: Path) -> bool:
     import league
 
-    series = {m: _curves(s, m) for m in methods}
+    rows = league.collect(s)
+    series = {m: _curves(s, m, rows) for m in methods}
     series = {m: v for m, v in series.items() if v}
     if not series:
         return False

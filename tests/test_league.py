@@ -212,6 +212,7 @@ def test_a_tiny_league_runs_resumes_nothing_and_reports(tmp_path):
     rows = list(csv.DictReader((out / "report" / "results.csv").open()))
     assert {(r["method"], r["seed"], r["budget"]) for r in rows} == {("default", "0", "900"), ("flow_grpo_fast", "0", "900")}
     assert all(int(r["nfe"]) >= 900 for r in rows)
+    assert (out / "report" / "runs" / "table" / "default" / "seed=0" / "archived.json").is_file()  # the ledger
     runs = league.plan(league.Settings(budget=900, fractions=(1.0,), seeds=(0,), methods=("default", "flow_grpo_fast"),
                                        grid=False, claims=False, out=out, extra=("eval.max_prompts=12",)), ["table"])
     assert [r.status for r in runs] == ["finished", "finished"]
@@ -229,3 +230,73 @@ def test_the_league_cost_sums_every_attempt_of_a_finished_run(tmp_path):
                                                  + "\n" for p, m, r, rc, w in recs))
     cost = lr.league_cost(s)
     assert cost == {"grid": {"runs": 2, "hours": pytest.approx((100 + 260 + 360) / 3600)}}  # the failed run: left out
+
+
+# ------------------------------------------------------------------------------------------------ the ledger
+def _table_run(s, tmp_path, seed, lrv="0.001", nfe=1100, g=0.4):
+    from omegaconf import OmegaConf
+
+    from stepflow.config import compose
+
+    cfg = compose("train", [*league.run_overrides(league.method("default"), lrv, 1000, s.fractions, s), f"seed={seed}"])
+    d = s.out / "table" / "default" / f"seed={seed}"
+    fake_run(d, float(lrv), [(3, 300, g - 0.02), (6, 600, g - 0.01), (11, nfe, g)], 1000, s.fractions, seed)
+    (d / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
+    return d
+
+
+def test_finished_runs_go_to_the_ledger_and_a_fresh_clone_gets_them_back(tmp_path):
+    import shutil
+
+    s = league.Settings(budget=1000, seeds=(0, 1, 2), methods=("default",), grid=False, claims=False,
+                        out=tmp_path / "out", ledger=tmp_path / "docs")
+    _table_run(s, tmp_path, 0, g=0.41)
+    _table_run(s, tmp_path, 1, g=0.43)
+    unfinished = _table_run(s, tmp_path, 2)
+    (unfinished / "lora" / "pytorch_lora_weights.safetensors").unlink()
+    (unfinished / "checkpoints").mkdir()
+    (unfinished / "checkpoints" / "last.ckpt").write_bytes(b"x")
+    before = sorted(league.collect(s), key=lambda r: (r["seed"], r["fraction"]))
+    assert league.sync_archive(s) == 2 and league.sync_archive(s) == 0  # the finished two; a second sync copies nothing
+    arch = s.ledger / "runs" / "table" / "default"
+    assert sorted(p.name for p in arch.iterdir()) == ["seed=0", "seed=1"]
+    assert (arch / "seed=0" / "lora" / "pytorch_lora_weights.safetensors").is_file()  # seed 0 keeps its adapter
+    assert not (arch / "seed=1" / "lora").exists() and not (arch / "seed=1" / "checkpoints").exists()
+    shutil.rmtree(s.out)  # a fresh clone: outputs/ is gone
+    runs = {r.run_dir.name: r.status for r in league.plan(s, ["table"])}
+    assert runs == {"seed=0": "finished", "seed=1": "finished", "seed=2": "missing"}
+    assert sorted(league.collect(s), key=lambda r: (r["seed"], r["fraction"])) == before
+    # a restored run whose config no longer matches the plan is stale (it is rerun, and its new copy replaces it)
+    s.extra = ("loop.group_size=4",)
+    assert {r.run_dir.name: r.status for r in league.plan(s, ["table"])}["seed=1"] == "stale"
+
+
+def test_the_ledgers_csv_rows_count_as_finished_runs_until_a_run_on_disk_replaces_them(tmp_path):
+    s = league.Settings(budget=1000, seeds=(0, 1), methods=("default",), grid=False, claims=False,
+                        out=tmp_path / "out", ledger=tmp_path / "docs")
+    rows = [{"phase": "table", "method": "default", "seed": sd, "lr": lrv, "budget": int(f * 1000), "fraction": f,
+             "iteration": i, "nfe": int(f * 1000) + 10, "seconds": 2.0 * i, "reward_images": 64 * i, "geneval": g,
+             **{c: g for c in league.CATEGORIES}}
+            for sd, lrv in ((0, "0.001"), (1, "0.003")) for f, i, g in ((0.25, 3, 0.38), (0.5, 6, 0.39), (1.0, 11, 0.40))]
+    league.write_csv(rows, s.ledger / "results.csv")
+    runs = {r.run_dir.name: (r.status, r.reason) for r in league.plan(s, ["table"])}
+    assert runs["seed=0"][0] == "finished" and "ledger" in runs["seed=0"][1]
+    assert runs["seed=1"] == ("missing", "no run yet")  # measured at another lr than the plan's
+    got = league.collect(s)
+    assert len(got) == 6 and {(r["seed"], r["lr"], r["fraction"], r["geneval"]) for r in got} >= \
+        {(0, "0.001", 1.0, 0.40), (1, "0.003", 0.25, 0.38)}
+    _table_run(s, tmp_path, 0, g=0.45)  # rerun on disk: its rows replace the csv's
+    got = [r for r in league.collect(s) if r["seed"] == 0]
+    assert len(got) == 3 and max(r["geneval"] for r in got) == 0.45
+    # the grid's csv rows choose the lr as its runs would
+    grid = [{**r, "phase": "grid", "seed": 100, "lr": lrv, "budget": int(f * 500), "fraction": f, "geneval": g}
+            for lrv, base in (("0.00033", 0.40), ("0.001", 0.45), ("0.003", 0.41)) for r in rows[:1]
+            for f, g in ((0.5, base), (1.0, base))]
+    league.write_csv(grid, s.ledger / "lr_grid.csv")
+    s.grid, s.grid_seeds = True, (100,)
+    assert league.grid_scores(s, league.method("default"), ["0.00033", "0.001", "0.003"]) == \
+        {"0.00033": 0.40, "0.001": 0.45, "0.003": 0.41}
+    from stepflow.config import composer
+
+    with composer() as compose:
+        assert league.chosen_lrs(s, compose)["default"][0] == "0.001"
