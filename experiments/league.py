@@ -26,6 +26,11 @@ Rerunning skips finished runs (the adapter is saved at the end), resumes interru
 ``checkpoints/last.ckpt`` and moves a run whose stored config differs from the plan (a changed lr choice, config or
 budget) to ``.stale/`` before rerunning it, as experiments/ablations.py does. ``--jobs N`` runs N single-threaded runs
 at once, longest first. Interrupt with Ctrl-C: the running runs checkpoint and stop; the next invocation resumes them.
+
+The ledger: each finished run's ``config.yaml`` and ``metrics.csv`` (and the table's seed-0 adapter, for the image
+grids) are copied to ``docs/league/runs/<phase>/<method>/<run>`` with ``runs.jsonl`` beside them; a fresh clone
+restores them into ``outputs/league`` and skips those runs. Runs measured before the ledger existed count as finished
+from their rows in ``docs/league/results.csv`` / ``lr_grid.csv`` (same method, seed, lr and budget points).
 """
 
 from __future__ import annotations
