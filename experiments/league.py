@@ -360,8 +360,9 @@ def _runs(phase, m, lr, seeds, ovr, s: Settings, compose, check_config, name) ->
         budget = next(float(o.split("=", 1)[1]) for o in ovr if o.startswith("loop.budget=")) if phase != "base" else 0
         if status == "finished" and budget and not any(r["fraction"] == 1.0 for r in eval_rows(d, budget, [1.0])):
             status, reason = "stale", "its adapter exists but it stopped before its budget (a signal, before the fix)"
-        if status == "missing" and not d.exists() and budget and \
+        if status == "missing" and not d.exists() and budget and not keeps_adapter(phase, d.name) and \
                 ledger_run_rows(s, phase, m.name, seed, lr, planned_fractions(ovr)):
+            # (a run whose adapter the ledger keeps is run again: the image grids need it)
             status, reason = "finished", "in the ledger's csv (measured before runs were archived)"
         out.append(Run(phase, m, lr, seed, d, list(ovr), status, reason, cost=expected_seconds(m, ovr)))
     return out

@@ -279,11 +279,15 @@ def test_the_ledgers_csv_rows_count_as_finished_runs_until_a_run_on_disk_replace
              **{c: g for c in league.CATEGORIES}}
             for sd, lrv in ((0, "0.001"), (1, "0.003")) for f, i, g in ((0.25, 3, 0.38), (0.5, 6, 0.39), (1.0, 11, 0.40))]
     league.write_csv(rows, s.ledger / "results.csv")
+    s.seeds = (0, 1, 2)
+    rows += [{**r, "seed": 2} for r in rows[:3]]
+    league.write_csv(rows, s.ledger / "results.csv")
     runs = {r.run_dir.name: (r.status, r.reason) for r in league.plan(s, ["table"])}
-    assert runs["seed=0"][0] == "finished" and "ledger" in runs["seed=0"][1]
+    assert runs["seed=2"][0] == "finished" and "ledger" in runs["seed=2"][1]
     assert runs["seed=1"] == ("missing", "no run yet")  # measured at another lr than the plan's
+    assert runs["seed=0"] == ("missing", "no run yet")  # seed 0 runs again: the image grids need its adapter
     got = league.collect(s)
-    assert len(got) == 6 and {(r["seed"], r["lr"], r["fraction"], r["geneval"]) for r in got} >= \
+    assert len(got) == 9 and {(r["seed"], r["lr"], r["fraction"], r["geneval"]) for r in got} >= \
         {(0, "0.001", 1.0, 0.40), (1, "0.003", 0.25, 0.38)}
     _table_run(s, tmp_path, 0, g=0.45)  # rerun on disk: its rows replace the csv's
     got = [r for r in league.collect(s) if r["seed"] == 0]
