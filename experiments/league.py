@@ -300,7 +300,7 @@ def grid_scores(s: Settings, m: Method, lrs: Sequence[str]) -> dict[str, float |
     for lr in lrs:
         vals = []
         for seed in s.grid_seeds:
-            d = s.out / "grid" / m.name / f"lr={lr},seed={seed}"
+            d = s.out / "grid" / m.name / run_name("grid", lr, seed)
             if finished(d):
                 vals += [r["geneval"] for r in eval_rows(d, s.grid_budget, s.grid_fractions)]
                 continue
@@ -323,29 +323,29 @@ def plan(s: Settings, phases: Sequence[str], check_config: bool = True) -> list[
         if "base" in phases:
             for m in BASES if s.claims else BASES[:1]:
                 ovr = [*m.base_overrides(), "loop.iterations=1", "eval.every=0", *s.extra]
-                runs += _runs("base", m, "", (0,), ovr, s, compose, check_config, lambda lr, sd: f"seed={sd}")
+                runs += _runs("base", m, "", (0,), ovr, s, compose, check_config)
         if "grid" in phases and s.grid:
             for m in ms:
                 for lr in grid_list(s, m, configured_lr(m, compose)):
                     ovr = run_overrides(m, lr, s.grid_budget, s.grid_fractions, s)
-                    runs += _runs("grid", m, lr, s.grid_seeds, ovr, s, compose, check_config, lambda lr, sd: f"lr={lr},seed={sd}")
+                    runs += _runs("grid", m, lr, s.grid_seeds, ovr, s, compose, check_config)
         chosen = chosen_lrs(s, compose) if ({"table", "claims"} & set(phases)) else {}
         if "table" in phases:
             for m in ms:
                 lr = chosen[m.name][0]
                 ovr = run_overrides(m, lr, s.budget, s.fractions, s)
-                runs += _runs("table", m, lr, s.seeds, ovr, s, compose, check_config, lambda lr, sd: f"seed={sd}")
+                runs += _runs("table", m, lr, s.seeds, ovr, s, compose, check_config)
         if "claims" in phases and s.claims:
             for m in CLAIM_ARMS:
                 if m.parent not in chosen:
                     continue
                 lr = chosen[m.parent][0]
                 ovr = run_overrides(m, lr, s.budget, s.fractions, s)
-                runs += _runs("claims", m, lr, s.seeds, ovr, s, compose, check_config, lambda lr, sd: f"seed={sd}")
+                runs += _runs("claims", m, lr, s.seeds, ovr, s, compose, check_config)
     return runs
 
 
-def _runs(phase, m, lr, seeds, ovr, s: Settings, compose, check_config, name) -> list[Run]:
+def _runs(phase, m, lr, seeds, ovr, s: Settings, compose, check_config) -> list[Run]:
     planned = None
     if check_config:
         from omegaconf import OmegaConf
@@ -353,7 +353,7 @@ def _runs(phase, m, lr, seeds, ovr, s: Settings, compose, check_config, name) ->
         planned = OmegaConf.to_container(compose("train", list(ovr)), resolve=True)
     out = []
     for seed in seeds:
-        d = s.out / phase / m.name / name(lr, seed)
+        d = s.out / phase / m.name / run_name(phase, lr, seed)
         status, reason = ablations.job_status(d, planned)
         if status == "missing" and finished(d):  # restored from the ledger without its adapter
             status, reason = "finished", ""
@@ -571,7 +571,6 @@ def collect(s: Settings, phases: Sequence[str] = ("table", "claims")) -> list[di
 
     out = []
     for phase in phases:
-        on_disk = set()
         for mdir in sorted((s.out / phase).glob("*")):
             if not mdir.is_dir() or mdir.name.startswith("."):
                 continue
@@ -579,15 +578,13 @@ def collect(s: Settings, phases: Sequence[str] = ("table", "claims")) -> list[di
                 if not d.is_dir() or d.name.startswith(".") or not finished(d):
                     continue
                 cfg = yaml.safe_load((d / "config.yaml").read_text()) or {}
-                on_disk.add((mdir.name, d.name))
                 budget = float(cfg["loop"]["budget"])
                 fractions = cfg["eval"]["at_fractions"]
                 for r in eval_rows(d, budget, fractions):
                     out.append({"phase": phase, "method": mdir.name, "seed": int(cfg["seed"]),
                                 "lr": lr_str(float(cfg["train"]["lr"])), **r})
         out += [r for r in ledger_rows(s, phase)  # runs measured before the archive: their committed rows
-                if (r["method"], run_name(phase, r["lr"], r["seed"])) not in on_disk
-                and not (s.out / phase / r["method"] / run_name(phase, r["lr"], r["seed"])).exists()]
+                if not (s.out / phase / r["method"] / run_name(phase, r["lr"], r["seed"])).exists()]
     return out
 
 
