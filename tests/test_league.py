@@ -304,3 +304,33 @@ def test_the_ledgers_csv_rows_count_as_finished_runs_until_a_run_on_disk_replace
 
     with composer() as compose:
         assert league.chosen_lrs(s, compose)["default"][0] == "0.001"
+
+
+def test_make_train_runs_the_leagues_best_within_seven_minutes():
+    """``make train`` (the Makefile's TRAIN, experiment=league_best) is the table's best mean held-out GenEval among
+    the (method, budget) points whose runs all trained within 7 minutes, as the league ran it (its lr, its budget),
+    plus the evaluation before training; the committed results decide, so a league that finds another best fails
+    this until the default follows it."""
+    from omegaconf import OmegaConf
+
+    from stepflow.config import composer
+
+    rows = [r for r in csv.DictReader((ROOT / "docs/league/results.csv").open()) if r["phase"] == "table"]
+    points: dict[tuple[str, float], list[dict]] = {}
+    for r in rows:
+        points.setdefault((r["method"], float(r["budget"])), []).append(r)
+    fits = {k: v for k, v in points.items() if len(v) >= 5 and max(float(r["seconds"]) for r in v) <= 420}
+    (name, budget), best = max(fits.items(), key=lambda kv: np.mean([float(r["geneval"]) for r in kv[1]]))
+    lrs = {r["lr"] for r in best}
+    assert len(lrs) == 1, lrs
+    makefile = (ROOT / "Makefile").read_text()
+    assert "TRAIN ?= experiment=league_best\n" in makefile and "stepflow.train $(TRAIN) $(ARGS)" in makefile
+    s = league.Settings()
+    ovr = [x if x != "eval.at_start=false" else "eval.at_start=true"
+           for x in league.run_overrides(league.method(name), lrs.pop(), budget, s.fractions, s)]
+    with composer() as compose:
+        got = OmegaConf.to_container(compose("train", ["experiment=league_best"]), resolve=True)
+        want = OmegaConf.to_container(compose("train", ovr), resolve=True)
+    assert got.pop("experiment_name") == "league_best"
+    want.pop("experiment_name")
+    assert got == want, (name, budget)
