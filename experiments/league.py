@@ -133,14 +133,15 @@ BASES: tuple[Method, ...] = (
 
 @dataclass(frozen=True)
 class Claim:
-    """One of the paper's claims as a paired comparison: ``better`` beats ``worse`` (or, with ``alike``, the two are
-    within the detectable difference)."""
+    """One of the paper's claims as a paired comparison of ``better`` and ``worse``. ``kind``: ``better`` (it beats
+    ``worse``), ``alike`` (the two are within the detectable difference) or ``no_better`` (``worse`` does not beat
+    it: the paper's "X does not improve on plain gains", refuted only by X winning)."""
 
     source: str
     statement: str
     better: str
     worse: str
-    alike: bool = False
+    kind: str = "better"
 
 
 CLAIMS: tuple[Claim, ...] = (
@@ -151,13 +152,14 @@ CLAIMS: tuple[Claim, ...] = (
     Claim("Fig. 6", "the DDIM SDE beats Flow-GRPO's SDE with uniform credit (step 0)", "default_uniform",
           "default_uniform_flow_sde"),
     Claim("Fig. 6", "the DDIM SDE beats Flow-GRPO's SDE with gains (every step)", "allsteps", "allsteps_flow_sde"),
-    Claim("Fig. 10", "T' = 2 and T' = 5 perform alike", "allsteps", "allsteps_t5", alike=True),
+    Claim("Fig. 10", "T' = 2 and T' = 5 perform alike", "allsteps", "allsteps_t5", kind="alike"),
     Claim("Fig. 10", "T' >= 2 beats T' = 1 (Tweedie: 'noisy estimates')", "allsteps", "allsteps_tweedie"),
     Claim("Fig. 9", "joint normalisation of the gains beats per-step (faster convergence)", "allsteps",
           "allsteps_per_step"),
-    Claim("Fig. 7", "an EMA baseline does not beat plain gains", "allsteps", "allsteps_gain_ema", alike=True),
-    Claim("Fig. 7", "GAE does not beat plain gains", "allsteps", "allsteps_gae", alike=True),
-    Claim("Fig. 7", "gain-weighted distillation does not beat plain gains", "allsteps", "allsteps_distill", alike=True),
+    Claim("Fig. 7", "an EMA baseline does not beat plain gains", "allsteps", "allsteps_gain_ema", kind="no_better"),
+    Claim("Fig. 7", "GAE does not beat plain gains", "allsteps", "allsteps_gae", kind="no_better"),
+    Claim("Fig. 7", "gain-weighted distillation does not beat plain gains ('far less stable')", "allsteps",
+          "allsteps_distill", kind="no_better"),
     Claim("Table 1", "at CFG 4.5 gains beat uniform credit", "default_cfg45", "default_uniform_cfg45"),
 )
 
@@ -759,7 +761,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     restore_archive(s)
     sync_archive(s)
-    md = league_report.write_report(s, docs)
+    md = league_report.write_report(s, docs, readme=ROOT / "README.md" if docs == DOCS else None)
     print(f"[league] report: {md}")
     return 0
 

@@ -109,18 +109,30 @@ def comparisons_to_leader(data: dict[str, dict[int, dict[int, float]]], budget: 
     return out
 
 
-def claim_verdict(test: dict[str, float], p_adj: float, alike: bool, mdd: float) -> str:
-    """reproduced / refuted / not decidable. Directional claim (better > worse): reproduced when the Holm-adjusted
-    p < α with the claimed sign, refuted when significant with the opposite sign. "Alike" claim: refuted when
-    significant either way, reproduced when the 95 % CI of the difference lies inside ± the detectable difference."""
+def claim_verdict(test: dict[str, float], p_adj: float, kind: str, mdd: float) -> str:
+    """reproduced / refuted / not decidable for a claim of ``kind`` (:class:`league.Claim`), ``test["diff"]`` =
+    better − worse. ``better``: reproduced when the Holm-adjusted p < α with the claimed sign, refuted when
+    significant with the opposite sign. ``alike``: refuted when significant either way, reproduced when the 95 % CI of
+    the difference lies inside ± the detectable difference. ``no_better`` (worse does not beat better): refuted when
+    worse wins significantly, reproduced when the CI excludes worse winning by the detectable difference or more
+    (its lower end above −mdd)."""
+    if kind not in ("better", "alike", "no_better"):
+        raise ValueError(f"kind: must be better, alike or no_better, got {kind!r}")
     if test["n"] < 2 or math.isnan(test.get("p", math.nan)):
         return "not decidable (too few seeds)"
     sig = p_adj < ALPHA
-    if alike:
+    if kind == "alike":
         if sig:
             return "refuted (they differ)"
         if not math.isnan(mdd) and abs(test["diff"]) + test["half"] < mdd:
             return "reproduced (alike within the detectable difference)"
+        return "not decidable at this power"
+    if kind == "no_better":
+        if sig and test["diff"] < 0:
+            return "refuted (it beats plain gains)"
+        if not math.isnan(mdd) and test["diff"] - test["half"] > -mdd:
+            return ("reproduced (plain gains significantly better)" if sig else
+                    "reproduced (it does not beat plain gains by the detectable difference)")
         return "not decidable at this power"
     if sig:
         return "reproduced" if test["diff"] > 0 else "refuted (the opposite holds)"
@@ -138,7 +150,51 @@ def fmt_p(p: float) -> str:
 
 
 # ---------------------------------------------------------------------------------------------------- report
-def write_report(s, docs: Path) -> Path:
+README_BEGIN = "<!-- the league's table: `python experiments/league.py --report` rewrites it -->"
+README_END = "<!-- end of the league's table -->"
+
+
+def readme_table(rows: Sequence[dict[str, Any]], titles: dict[str, str], methods: Sequence[str]) -> str:
+    """The README's first results table: every league method's mean ± 95 % CI of the held-out GenEval at each budget
+    of the table phase (``rows``: results.csv rows, strings or numbers), best first at the largest budget, with the
+    mean training seconds to it and the seeds."""
+    import report
+
+    rows = [r for r in rows if r["phase"] == "table" and r["method"] in methods]
+    data = by_method(rows)
+    budgets = sorted({int(float(r["budget"])) for r in rows})
+    if not budgets:
+        return ""
+    top = budgets[-1]
+    secs = defaultdict(list)
+    for r in rows:
+        if int(float(r["budget"])) == top:
+            secs[r["method"]].append(float(r["seconds"]))
+    mean = {m: report.mean_ci(list(data[m].get(top, {}).values()))[0] for m in data}
+    order = sorted(data, key=lambda m: -mean[m] if not math.isnan(mean[m]) else math.inf)
+    out = ["| method | " + " | ".join(f"{b:,} NFEs" for b in budgets) + f" | seconds to {top:,} | seeds |",
+           "|---|" + "---|" * (len(budgets) + 2)]
+    for m in order:
+        cells = [fmt(*report.mean_ci(list(data[m].get(b, {}).values()))[:2]) for b in budgets]
+        n = max((len(v) for v in data[m].values()), default=0)
+        sec = f"{sum(secs[m]) / len(secs[m]):.0f}" if secs[m] else "—"
+        out.append(f"| {titles.get(m, m)} (`{m}`) | " + " | ".join(cells) + f" | {sec} | {n} |")
+    return "\n".join(out)
+
+
+def update_readme(path: Path, table: str) -> bool:
+    """Replace the text between README_BEGIN and README_END in ``path`` by ``table``; False where the markers are
+    missing (nothing written)."""
+    text = path.read_text()
+    if README_BEGIN not in text or README_END not in text:
+        return False
+    head, rest = text.split(README_BEGIN, 1)
+    _, tail = rest.split(README_END, 1)
+    path.write_text(f"{head}{README_BEGIN}\n{table}\n{README_END}{tail}")
+    return True
+
+
+def write_report(s, docs: Path, readme: Path | None = None) -> Path:
     import league
     import report
 
@@ -179,12 +235,16 @@ def write_report(s, docs: Path) -> Path:
             done.append(f"{ph} {sum(r.status == 'finished' for r in runs)} of {len(runs)}")
     if done:
         w("Runs finished: " + ", ".join(done) + " (a rerun of `make league` completes the rest).\n")
-    spent = league_cost(s)
+    spent = league_cost(s, [*grid_rows, *rows])
     if spent:
-        w("What the league cost (each run one torch thread; `runs.jsonl`): " + "; ".join(
+        est = sum(v["estimated"] for v in spent.values())
+        hours = sum(v["hours"] for v in spent.values())
+        w("What the league cost (each run one torch thread; the wall time of each run in `runs.jsonl`): " + "; ".join(
             f"{ph} {v['runs']} runs, {v['hours']:.1f} run-hours" for ph, v in spent.items())
-          + f"; in all {sum(v['hours'] for v in spent.values()):.1f} run-hours, "
-          f"{sum(v['hours'] for v in spent.values()) / 2:.1f} hours at `--jobs 2` on 2 cores.\n")
+          + f"; in all {hours:.1f} run-hours, {hours / 2:.1f} hours at `--jobs 2` on 2 cores"
+          + (f" ({est} runs finished before `runs.jsonl` recorded them: their wall time estimated from their "
+             "training seconds times the median ratio of wall to training seconds of the recorded runs)" if est else "")
+          + ".\n")
 
     # ---- main table
     w("## Held-out GenEval, mean ± 95 % confidence interval over seeds\n")
@@ -288,7 +348,9 @@ def write_report(s, docs: Path) -> Path:
       "(Fig. 9's 'converges faster' at the smallest); Holm's correction over the claims; a directional claim is "
       "reproduced when significant in its direction, refuted when significant against it; an 'alike' claim is "
       "reproduced when the 95 % CI of the difference lies inside ± the detectable difference and refuted when the "
-      "two differ significantly; otherwise it is not decidable at this power.\n")
+      "two differ significantly; a 'does not beat' claim is refuted when the variant beats plain gains significantly "
+      "and reproduced when the CI's lower end lies above minus the detectable difference (the variant cannot be "
+      "better by that much); otherwise it is not decidable at this power.\n")
     w("| source | claim | arms (better − worse) | budget | difference (95 % CI) | seeds | p (Holm) | verdict |")
     w("|---|---|---|---|---|---|---|---|")
     tests = []
@@ -304,7 +366,7 @@ def write_report(s, docs: Path) -> Path:
             w(f"| {c.source} | {c.statement} | {c.better} − {c.worse} | — | — | 0 | — | not run yet |")
             continue
         w(f"| {c.source} | {c.statement} | {c.better} − {c.worse} | {b:,} | {fmt(t['diff'], t['half'])} | {t['n']} | "
-          f"{fmt_p(p)} | {claim_verdict(t, p, c.alike, mdd)} |")
+          f"{fmt_p(p)} | {claim_verdict(t, p, c.kind, mdd)} |")
     w("")
 
     # ---- figures
@@ -317,30 +379,48 @@ def write_report(s, docs: Path) -> Path:
           "pass the image, red: they do not.\n\n![every method's samples on the same held-out prompts](samples.png)\n")
     md = docs / "report.md"
     md.write_text("\n".join(L) + "\n")
+    if readme is not None:
+        update_readme(readme, readme_table(rows, {m: names[m].title for m in league_methods}, league_methods))
     return md
 
 
-def league_cost(s) -> dict[str, dict[str, float]]:
-    """``{phase: {runs, hours}}`` of the finished runs in ``<out>/runs.jsonl`` (the last record of each run)."""
+def league_cost(s, rows: Sequence[dict[str, Any]] = ()) -> dict[str, dict[str, float]]:
+    """``{phase: {runs, hours, estimated}}`` of the finished runs: the wall time ``<out>/runs.jsonl`` records (every
+    attempt of a run whose last record exited 0) and, for the runs of ``rows`` (results.csv / lr_grid.csv rows) that
+    finished before it recorded them, an estimate: their training seconds (the largest ``seconds`` of their rows)
+    times the median ratio of wall to training seconds over the runs that have both (``estimated`` counts them)."""
     import json
+    import statistics
+
+    import league
 
     f = (s.out if getattr(s, "ledger", None) is None else s.ledger) / "runs.jsonl"
-    if not f.is_file():
-        return {}
     last: dict[tuple, dict] = {}
     total: dict[tuple, float] = defaultdict(float)
-    for line in f.read_text().splitlines():
+    for line in (f.read_text().splitlines() if f.is_file() else []):
         if line.strip():
             r = json.loads(line)
             key = (r["phase"], r["method"], r["run"])
             total[key] += float(r["wall_s"])  # an interrupted and resumed run: every attempt counts
             last[key] = r
+    wall = {key: total[key] for key, r in last.items() if r["rc"] == 0}
+    train: dict[tuple, float] = defaultdict(float)
+    for r in rows:
+        key = (r["phase"], r["method"], league.run_name(r["phase"], r["lr"], int(r["seed"])))
+        train[key] = max(train[key], float(r["seconds"]))
+    ratios = [wall[k] / train[k] for k in wall if train.get(k, 0) > 0]
+    ratio = statistics.median(ratios) if ratios else math.nan
     out: dict[str, dict[str, float]] = {}
-    for key, r in last.items():
-        if r["rc"] == 0:
-            d = out.setdefault(key[0], {"runs": 0, "hours": 0.0})
-            d["runs"] += 1
-            d["hours"] += total[key] / 3600
+    phases = ("base", "grid", "table", "claims")
+    for key in sorted({*wall, *(train if ratios else ())},
+                      key=lambda k: (phases.index(k[0]) if k[0] in phases else len(phases), k)):
+        d = out.setdefault(key[0], {"runs": 0, "hours": 0.0, "estimated": 0})
+        d["runs"] += 1
+        if key in wall:
+            d["hours"] += wall[key] / 3600
+        else:
+            d["hours"] += train[key] * ratio / 3600
+            d["estimated"] += 1
     return out
 
 

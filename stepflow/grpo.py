@@ -64,6 +64,9 @@ class GRPOModule(L.LightningModule):
         self.spent = {"nfe": 0.0, "seconds": 0.0}
         self.history: list[dict[str, float]] = []
         self.stop_reason: str | None = None
+        #: an evaluation that a stop interrupted: checkpointed, and run first when the run resumes (a run stopped
+        #: during the evaluation after its last iteration would otherwise resume finished and never be evaluated)
+        self.eval_pending = False
         self.stop_signal: str | None = None  #: SIGTERM / SIGINT when a signal stopped the run
         self._pbar = None
         self._optimizer = None
@@ -133,6 +136,7 @@ class GRPOModule(L.LightningModule):
             "ema": None if self.ema is None else self.ema.state_dict(), "history": self.history,
             "torch_rng": torch.get_rng_state(),
             "signal": self.learner.weighting.state_dict(), "objective": self.objective.state_dict(),
+            "eval_pending": self.eval_pending,
         }
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
@@ -157,6 +161,7 @@ class GRPOModule(L.LightningModule):
         self.learner.weighting.load_state_dict(s.get("signal"))
         if s.get("objective"):
             self.objective.load_state_dict(s["objective"])
+        self.eval_pending = bool(s.get("eval_pending", False))
         for lg in self.loggers:
             if hasattr(lg, "restore"):
                 lg.restore(self.history)
@@ -178,8 +183,8 @@ class GRPOModule(L.LightningModule):
             from tqdm.auto import tqdm
 
             self._pbar = tqdm(total=self.loop.iterations, initial=self.iteration, desc="GRPO", unit="it", dynamic_ncols=True)
-        if self.iteration == 0 and self.eval_cfg.at_start:
-            self._guarded(self.run_evaluation)
+        if (self.iteration == 0 and self.eval_cfg.at_start) or self.eval_pending:
+            self._evaluate()
 
     def on_train_end(self) -> None:
         if self._pbar is not None:
@@ -216,7 +221,7 @@ class GRPOModule(L.LightningModule):
                     f"loop.iterations={self.loop.iterations} reached at {self.budget.fraction(self.spent):.0%} of "
                     f"loop.budget ({self.budget}); raise loop.iterations to spend all of it")
         if evaluate:
-            self._guarded(self.run_evaluation)
+            self._evaluate()
         # every rank decides together: a signal seen by one rank only (or by one rank earlier) must not stop it
         # alone, the others would wait in the next iteration's collectives (the budget is the same on every rank:
         # its counters are reduced over ranks)
@@ -228,6 +233,12 @@ class GRPOModule(L.LightningModule):
             self.trainer.should_stop = True
         if done:
             self.trainer.should_stop = True  # epochs only tick; the iteration counter (checkpointed) decides
+
+    def _evaluate(self) -> None:
+        """The held-out evaluation of this iteration; one a stop interrupts stays pending (checkpointed)."""
+        self.eval_pending = True
+        if self._guarded(self.run_evaluation) is not None:
+            self.eval_pending = False
 
     def _budget_spent(self) -> bool:
         return self.budget is not None and self.spent[self.budget.kind] >= self.budget.total

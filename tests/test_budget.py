@@ -123,3 +123,37 @@ def test_a_bad_budget_is_one_line(tmp_path, cli):
     r = cli("stepflow.train", "experiment=smoke", f"hydra.run.dir={tmp_path}", "eval.at_fractions=[0,2]")
     err = r.stderr.strip().splitlines()
     assert r.returncode != 0 and len(err) == 1 and "eval.at_fractions" in err[0], r.stderr[-2000:]
+
+
+def test_an_evaluation_a_stop_interrupts_runs_when_the_run_resumes(tmp_path, monkeypatch):
+    """A stop during the evaluation after a budget run's last iteration (SIGTERM while the held-out prompts are
+    sampled) leaves last.ckpt at that iteration; resumed, the run is finished but its evaluation was never made:
+    it runs first, the same numbers as the uninterrupted run's, and the outputs are written."""
+    from stepflow import stop
+    from stepflow.errors import StepflowError
+    from stepflow.grpo import GRPOModule
+
+    budget = ["loop.iterations=50", "loop.budget=1", "eval.at_start=false"]  # the first iteration spends it
+    fit(tmp_path / "full", *budget)
+    original = GRPOModule.run_evaluation
+
+    def interrupted(self):
+        stop.request("SIGTERM")  # arrives while the first batch of held-out prompts is due
+        return original(self)
+
+    monkeypatch.setattr(GRPOModule, "run_evaluation", interrupted)
+    try:
+        with pytest.raises(StepflowError):
+            fit(tmp_path / "part", *budget)
+    finally:
+        stop.clear()
+    monkeypatch.setattr(GRPOModule, "run_evaluation", original)
+    assert eval_iterations(tmp_path / "part") == [] and not (tmp_path / "part" / "lora").exists()
+    ckpt = tmp_path / "part" / "checkpoints" / "last.ckpt"
+    fit(tmp_path / "part", *budget, f"ckpt_path={ckpt}")
+    assert eval_iterations(tmp_path / "part") == eval_iterations(tmp_path / "full") == [1]
+    a, b = (next(r for r in rows(tmp_path / d) if r.get("eval/shapes_geneval")) for d in ("full", "part"))
+    assert float(a["eval/shapes_geneval"]) == pytest.approx(float(b["eval/shapes_geneval"]), abs=1e-9)
+    assert len(train_rows(tmp_path / "part")) == 1 and (tmp_path / "part" / "lora").is_dir()
+    fit(tmp_path / "part", *budget, f"ckpt_path={ckpt}")  # once more: nothing is evaluated twice
+    assert eval_iterations(tmp_path / "part") == [1]

@@ -61,16 +61,21 @@ def test_detectable_difference_has_the_stated_power_in_a_simulation():
     assert lr.detectable_difference(sd, 10) < delta and math.isnan(lr.detectable_difference(sd, 1))
 
 
-@pytest.mark.parametrize("diff,half,p,alike,verdict", [
-    (0.03, 0.01, 0.001, False, "reproduced"),
-    (-0.03, 0.01, 0.001, False, "refuted (the opposite holds)"),
-    (0.01, 0.02, 0.3, False, "not decidable at this power"),
-    (0.002, 0.01, 0.7, True, "reproduced (alike within the detectable difference)"),
-    (0.02, 0.03, 0.2, True, "not decidable at this power"),
-    (0.05, 0.01, 0.001, True, "refuted (they differ)"),
+@pytest.mark.parametrize("diff,half,p,kind,verdict", [
+    (0.03, 0.01, 0.001, "better", "reproduced"),
+    (-0.03, 0.01, 0.001, "better", "refuted (the opposite holds)"),
+    (0.01, 0.02, 0.3, "better", "not decidable at this power"),
+    (0.002, 0.01, 0.7, "alike", "reproduced (alike within the detectable difference)"),
+    (0.02, 0.03, 0.2, "alike", "not decidable at this power"),
+    (0.05, 0.01, 0.001, "alike", "refuted (they differ)"),
+    # "X does not beat plain gains" (diff = gains - X): X collapsing is a reproduction, X winning a refutation
+    (0.40, 0.05, 0.001, "no_better", "reproduced (plain gains significantly better)"),
+    (-0.01, 0.015, 0.3, "no_better", "reproduced (it does not beat plain gains by the detectable difference)"),
+    (-0.01, 0.025, 0.4, "no_better", "not decidable at this power"),  # X may be better by up to 0.035 > 0.03
+    (-0.05, 0.01, 0.001, "no_better", "refuted (it beats plain gains)"),
 ])
-def test_claim_verdicts(diff, half, p, alike, verdict):
-    assert lr.claim_verdict({"diff": diff, "half": half, "n": 5, "p": p}, p, alike, mdd=0.03) == verdict
+def test_claim_verdicts(diff, half, p, kind, verdict):
+    assert lr.claim_verdict({"diff": diff, "half": half, "n": 5, "p": p}, p, kind, mdd=0.03) == verdict
 
 
 # ------------------------------------------------------------------------------------------------ runs on disk
@@ -229,7 +234,28 @@ def test_the_league_cost_sums_every_attempt_of_a_finished_run(tmp_path):
     (tmp_path / "runs.jsonl").write_text("".join(json.dumps({"phase": p, "method": m, "run": r, "rc": rc, "wall_s": w})
                                                  + "\n" for p, m, r, rc, w in recs))
     cost = lr.league_cost(s)
-    assert cost == {"grid": {"runs": 2, "hours": pytest.approx((100 + 260 + 360) / 3600)}}  # the failed run: left out
+    assert cost == {"grid": {"runs": 2, "hours": pytest.approx((100 + 260 + 360) / 3600), "estimated": 0}}  # rc 1: out
+
+
+def test_the_league_cost_estimates_the_runs_finished_before_runs_jsonl(tmp_path):
+    """Runs measured before runs.jsonl existed (only their csv rows) count at their training seconds times the
+    median wall / training ratio of the recorded runs."""
+    import json
+
+    s = league.Settings(out=tmp_path)
+    recs = [("table", "default", "seed=0", 300.0), ("table", "default", "seed=1", 200.0),
+            ("table", "awm", "seed=0", 160.0)]
+    (tmp_path / "runs.jsonl").write_text("".join(json.dumps({"phase": p, "method": m, "run": r, "rc": 0, "wall_s": w})
+                                                 + "\n" for p, m, r, w in recs))
+    rows = [{"phase": p, "method": m, "seed": sd, "lr": "0.001", "seconds": sec} for p, m, sd, sec in (
+        ("table", "default", 0, 50.0), ("table", "default", 0, 100.0),  # ratio 3 (its largest seconds count)
+        ("table", "default", 1, 100.0),  # ratio 2
+        ("table", "awm", 0, 40.0), ("table", "awm", 0, 80.0),  # ratio 2: the median of 3, 2, 2 is 2
+        ("grid", "nft", 100, 30.0), ("grid", "nft", 100, 60.0), ("grid", "nft", 101, 45.0))]  # not recorded
+    cost = lr.league_cost(s, rows)
+    assert list(cost) == ["grid", "table"]
+    assert cost["table"] == {"runs": 3, "hours": pytest.approx(660 / 3600), "estimated": 0}
+    assert cost["grid"] == {"runs": 2, "hours": pytest.approx((60 + 45) * 2 / 3600), "estimated": 2}
 
 
 # ------------------------------------------------------------------------------------------------ the ledger
@@ -334,3 +360,24 @@ def test_make_train_runs_the_leagues_best_within_seven_minutes():
     assert got.pop("experiment_name") == "league_best"
     want.pop("experiment_name")
     assert got == want, (name, budget)
+
+
+def test_the_readmes_first_table_is_the_leagues():
+    """The README's results table is what the report writes from the committed docs/league/results.csv (a number
+    changed in either alone fails this)."""
+    rows = list(csv.DictReader((ROOT / "docs/league/results.csv").open()))
+    names = [m.name for m in league.METHODS]
+    table = lr.readme_table(rows, {m.name: m.title for m in league.METHODS}, names)
+    text = (ROOT / "README.md").read_text()
+    assert text.index(lr.README_BEGIN) < text.index("|")  # the first table of the README
+    block = text.split(lr.README_BEGIN, 1)[1].split(lr.README_END, 1)[0]
+    assert block.strip() == table and table.count("\n") == len(names) + 1
+
+
+def test_update_readme_rewrites_only_between_its_markers(tmp_path):
+    p = tmp_path / "README.md"
+    p.write_text(f"a\n{lr.README_BEGIN}\nold\n{lr.README_END}\nb\n")
+    assert lr.update_readme(p, "| new |") and p.read_text() == f"a\n{lr.README_BEGIN}\n| new |\n{lr.README_END}\nb\n"
+    q = tmp_path / "other.md"
+    q.write_text("no markers\n")
+    assert not lr.update_readme(q, "| new |") and q.read_text() == "no markers\n"
