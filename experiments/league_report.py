@@ -77,12 +77,27 @@ def detectable_difference(sd: float, n: int, alpha: float = ALPHA, power: float 
 
     def gap(delta: float) -> float:
         nc = delta * math.sqrt(n) / sd
-        return float(nct.sf(crit, n - 1, nc) + nct.cdf(-crit, n - 1, nc)) - power
+        p = float(nct.sf(crit, n - 1, nc) + nct.cdf(-crit, n - 1, nc))
+        return (p if math.isfinite(p) else _power_by_integral(crit, n - 1, nc)) - power
 
     hi = sd
     while gap(hi) < 0:  # power grows with delta: bracket the root
         hi *= 2
     return float(brentq(gap, 1e-9 * sd, hi))
+
+
+def _power_by_integral(crit: float, df: int, nc: float) -> float:
+    """P(|T| > crit) for T noncentral t (``df`` dof, noncentrality ``nc``) as the integral over V ~ χ²(df) of
+    P(|Z + nc| > crit·√(V/df)), Z standard normal: where scipy's ``nct`` returns NaN (few dof, large ``nc``; e.g.
+    2 seeds)."""
+    from scipy.integrate import quad
+    from scipy.stats import chi2, norm
+
+    def f(v: float) -> float:
+        s = crit * math.sqrt(v / df)
+        return float(chi2.pdf(v, df)) * float(norm.sf(s - nc) + norm.cdf(-s - nc))
+
+    return float(quad(f, 0, math.inf, limit=200)[0])
 
 
 # ---------------------------------------------------------------------------------------------------- tables

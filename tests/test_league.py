@@ -61,6 +61,22 @@ def test_detectable_difference_has_the_stated_power_in_a_simulation():
     assert lr.detectable_difference(sd, 10) < delta and math.isnan(lr.detectable_difference(sd, 1))
 
 
+def test_detectable_difference_at_two_seeds_has_the_stated_power():
+    """make league-quick's 2 seeds: one degree of freedom, where scipy's noncentral t returns NaN at the large
+    noncentralities the root search passes through; the integral over χ² that replaces it gives the same power
+    where scipy's is finite, and δ scales with sd and has 80 % power in a simulation."""
+    from scipy.stats import nct, t, ttest_1samp
+
+    for df, nc in ((1, 1.0), (1, 5.0), (1, 20.0), (4, 3.0)):
+        c = float(t.ppf(0.975, df))
+        assert lr._power_by_integral(c, df, nc) == pytest.approx(nct.sf(c, df, nc) + nct.cdf(-c, df, nc), abs=1e-9)
+    deltas = [lr.detectable_difference(sd, 2) for sd in (1e-4, 1e-3, 0.03)]
+    assert all(math.isfinite(d) for d in deltas)
+    assert deltas[0] * 10 == pytest.approx(deltas[1], rel=1e-6) and deltas[1] * 30 == pytest.approx(deltas[2], rel=1e-6)
+    d = np.random.default_rng(2).normal(deltas[2], 0.03, size=(100_000, 2))
+    assert float((ttest_1samp(d, 0.0, axis=1).pvalue < 0.05).mean()) == pytest.approx(0.80, abs=0.006)
+
+
 @pytest.mark.parametrize("diff,half,p,kind,verdict", [
     (0.03, 0.01, 0.001, "better", "reproduced"),
     (-0.03, 0.01, 0.001, "better", "refuted (the opposite holds)"),
