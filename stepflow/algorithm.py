@@ -100,6 +100,7 @@ class Phases:
         self.nfe: dict[str, int] = {}
         self.nfe_grad: dict[str, int] = {}
         self.peak_gib: dict[str, float] = {}
+        self.page_faults: dict[str, int] = {}  #: minor page faults of the process (fresh memory faulted in)
 
     @contextlib.contextmanager
     def __call__(self, name: str):
@@ -107,10 +108,11 @@ class Phases:
         if cuda:
             torch.cuda.synchronize(self.policy.device)
             torch.cuda.reset_peak_memory_stats(self.policy.device)
-        n0, g0, t0 = self.policy.nfe, self.policy.nfe_grad, time.perf_counter()
+        n0, g0, f0, t0 = self.policy.nfe, self.policy.nfe_grad, _minor_faults(), time.perf_counter()
         try:
             yield
         finally:
+            self.page_faults[name] = self.page_faults.get(name, 0) + _minor_faults() - f0
             if cuda:
                 torch.cuda.synchronize(self.policy.device)
                 peak = torch.cuda.max_memory_allocated(self.policy.device) / 2**30
@@ -118,6 +120,15 @@ class Phases:
             self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - t0
             self.nfe[name] = self.nfe.get(name, 0) + self.policy.nfe - n0
             self.nfe_grad[name] = self.nfe_grad.get(name, 0) + self.policy.nfe_grad - g0
+
+
+def _minor_faults() -> int:
+    """The process's minor page faults so far (0 where ``resource`` is missing)."""
+    try:
+        import resource
+    except ImportError:  # pragma: no cover - not POSIX
+        return 0
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_minflt)
 
 
 @dataclass(frozen=True)
@@ -198,6 +209,10 @@ def retained_steps(learner: Learner, trained: list[int]) -> tuple[list[int] | No
             raise ValueError(f"loop.retain_graph=true: {why}; set loop.retain_graph=false (or auto)")
         _log_once(learner, f"loop.retain_graph=auto: the update recomputes: {why}")
         return None, None
+    if getattr(learner.loop, "retain_keep_memory", True) and learner.policy.device.type == "cpu" \
+            and retain.keep_freed_memory():
+        _log_once(learner, "loop.retain_graph: freed host memory stays in the process for the next rollout "
+                           "(glibc mallopt; loop.retain_keep_memory=false returns it to the OS)")
     return list(trained), (float(learner.loop.retain_max_gib) if m == "auto" else None)
 
 
@@ -768,4 +783,5 @@ def iteration_metrics(res: IterationResult, world: int | Dist) -> dict[str, floa
               # a backward costs about two forwards: forward-equivalent NFEs of the iteration
               "cost/nfe_backward": grad_nfe, "cost/nfe_fwd_equiv": nfe + 2 * grad_nfe})
     m.update({f"mem/peak_gib_{p}": v for p, v in res.phases.peak_gib.items()})  # CUDA only
+    m.update({f"mem/page_faults_{p}": float(v) for p, v in res.phases.page_faults.items()})  # this rank's process
     return m

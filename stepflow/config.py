@@ -109,6 +109,9 @@ class LoopConfig:
     #: recomputation; train/retained says which)
     retain_graph: Any = False  # typed loosely: true / false / auto, checked below
     retain_max_gib: float = 8.0  #: retain_graph=auto: the most GiB of kept activations per rank
+    #: with the graphs kept on the CPU: freed host memory stays in the process for the next rollout instead of going
+    #: back to the OS and returning as fresh zeroed pages (glibc; stepflow.retain.keep_freed_memory)
+    retain_keep_memory: bool = True
     #: a compute budget (stepflow.budget): a number = forward-equivalent NFEs over all ranks (a backward counts 2,
     #: CFG twice; reward images apart), "<N>s" = training seconds; the run stops after the iteration that reaches it
     #: (``iterations`` stays the cap) and evaluates at ``eval.at_fractions`` of it. null = ``iterations`` decides
@@ -120,6 +123,8 @@ class LoopConfig:
               f"retain_graph: must be true, false or auto, got {self.retain_graph!r}")
         _need(isinstance(self.retain_max_gib, (int, float)) and not isinstance(self.retain_max_gib, bool)
               and self.retain_max_gib > 0, f"retain_max_gib: must be a number > 0 (GiB), got {self.retain_max_gib!r}")
+        _need(isinstance(self.retain_keep_memory, bool),
+              f"retain_keep_memory: must be true or false, got {self.retain_keep_memory!r}")
         parse_budget(self.budget)  # raises "budget: must be ..."
         _need(_is_int(self.seed) and self.seed >= 0, f"seed: must be an integer >= 0, got {self.seed!r}")
         _need(_is_int(self.iterations) and self.iterations >= 1, f"iterations: must be an integer >= 1, got {self.iterations!r}")

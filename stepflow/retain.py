@@ -14,6 +14,14 @@ own trajectories (not the branch credits' ODE anchors and branches); one backwar
 gradient weightings, which back-propagate each step apart); unsharded weights (FSDP2 / DeepSpeed reshard between a
 forward and its backward, and the rollout's later no-grad forwards would run in between); no active dropout (the
 rollout runs in eval mode, the update in train mode).
+
+On the CPU (``loop.retain_keep_memory``, :func:`keep_freed_memory`): the kept graphs' activations are freed by the
+update's backward, all at once, and glibc's malloc returns such memory to the OS (it trims the top of the heap above
+``M_TRIM_THRESHOLD`` and unmaps blocks above its dynamic ``M_MMAP_THRESHOLD``); the next rollout and estimate then
+allocate it again as fresh pages, which the kernel faults in and zeroes one by one. Measured on the every-step recipe
+(shapes, 64 rows, 9 kept steps): 190,000 minor page faults per iteration with retain against none without it, and
++0.6 s of a 6.7 s iteration. Keeping freed memory in the process (what PyTorch's CUDA caching allocator does on GPUs)
+removes them.
 """
 
 from __future__ import annotations
@@ -21,7 +29,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-__all__ = ["SavedBytes", "why_not", "why_not_at_runtime", "mode"]
+__all__ = ["SavedBytes", "why_not", "why_not_at_runtime", "mode", "keep_freed_memory"]
 
 
 class SavedBytes:
@@ -101,3 +109,34 @@ def _modules(policy):
 def mode(value) -> str:
     """``loop.retain_graph`` as ``off`` | ``on`` | ``auto``."""
     return "auto" if value == "auto" else ("on" if value is True else "off")
+
+
+#: glibc's mallopt parameters (malloc.h)
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
+#: the largest M_MMAP_THRESHOLD glibc accepts on 64-bit (DEFAULT_MMAP_THRESHOLD_MAX) and the largest trim threshold
+#: mallopt's int can carry
+MMAP_THRESHOLD, TRIM_THRESHOLD = 32 * 2**20, 2**31 - 1
+_kept_memory: bool | None = None
+
+
+def keep_freed_memory() -> bool:
+    """Keep freed host memory in the process for reuse instead of returning it to the OS (glibc only; once per
+    process; True where applied). ``mallopt(M_MMAP_THRESHOLD, 32 MiB)`` serves every block below 32 MiB from the heap
+    (a fixed threshold: glibc no longer adapts it) and ``mallopt(M_TRIM_THRESHOLD, 2 GiB - 1)`` trims the heap only
+    above 2 GiB of free memory at its top, so the activations the update frees are the next rollout's, without page
+    faults (the module docstring). Blocks of 32 MiB and more are still mapped and unmapped each time. The process
+    keeps its peak heap (up to the 2 GiB above what it uses) until it ends."""
+    global _kept_memory
+    if _kept_memory is None:
+        _kept_memory = False
+        try:
+            import ctypes
+            import ctypes.util
+
+            libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+            if hasattr(libc, "gnu_get_libc_version") and hasattr(libc, "mallopt"):
+                _kept_memory = bool(libc.mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD)) and bool(
+                    libc.mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD))
+        except OSError:  # pragma: no cover - no C library to load (not Linux)
+            pass
+    return _kept_memory
