@@ -16,7 +16,6 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-
 __all__ = [
     "gains",
     "group_normalize",

@@ -12,8 +12,9 @@ run stops where the uninterrupted one does (exactly for NFEs, which are counted;
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 __all__ = ["Budget", "parse_budget", "crossed"]
 

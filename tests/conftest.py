@@ -91,12 +91,30 @@ def compose():
     return harness.compose_config
 
 
+#: the entry points whose Hydra config has a run dir (outputs/<name>/<second>) and, for train, a sweep dir
+_RUN_DIR_MODULES = ("stepflow.train", "stepflow.evaluate", "stepflow.pretrain", "stepflow.serve_reward")
+
+
+def own_run_dir(module: str, args, tmp_dir) -> tuple:
+    """``args`` with ``hydra.run.dir`` (``hydra.sweep.dir`` for a multirun) under ``tmp_dir`` where they name none:
+    the default, outputs/<name>/<second> in the checkout, is shared by the tests that start in the same second on
+    other xdist workers, and that directory's lock refuses all but the first ('in use by another run')."""
+    if module not in _RUN_DIR_MODULES:
+        return tuple(args)
+    key = "hydra.sweep.dir=" if ("--multirun" in args or "-m" in args) else "hydra.run.dir="
+    if any(str(a).startswith((key, f"+{key}", f"++{key}")) for a in args):
+        return tuple(args)
+    return (*args, f"{key}{tmp_dir}")
+
+
 @pytest.fixture
-def cli(monkeypatch):
+def cli(monkeypatch, tmp_path_factory):
     """``cli(module, *args, cwd=None, env=None)``: ``python -m <module> <args>`` run in this process
-    (:func:`stepflow.testing.harness.run_in_process`); returns ``.returncode``, ``.stdout``, ``.stderr``."""
+    (:func:`stepflow.testing.harness.run_in_process`); returns ``.returncode``, ``.stdout``, ``.stderr``. A run that
+    names no run dir gets its own (:func:`own_run_dir`)."""
 
     def call(module: str, *args: str, cwd=None, env=None, timeout=None):  # noqa: ARG001 - timeout: as run_module
+        args = own_run_dir(module, args, tmp_path_factory.mktemp("run"))
         return harness.run_in_process(module, *args, cwd=cwd, env=env, monkeypatch=monkeypatch)
 
     return call

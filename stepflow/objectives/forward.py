@@ -9,8 +9,19 @@ from collections.abc import Sequence
 import torch
 
 from stepflow.ema import ParamCopy
-from stepflow.forward import (advantageflow_loss, advantageflow_stable, awm_advantage, awm_ema_decay, awm_log_prob,
-                              awm_policy_loss, awm_train_indices, nft_loss, nft_old_decay, nft_reward, velocity_kl)
+from stepflow.forward import (
+    advantageflow_loss,
+    advantageflow_stable,
+    awm_advantage,
+    awm_ema_decay,
+    awm_log_prob,
+    awm_policy_loss,
+    awm_train_indices,
+    nft_loss,
+    nft_old_decay,
+    nft_reward,
+    velocity_kl,
+)
 from stepflow.objectives.base import ForwardObjective
 
 __all__ = ["Nft", "Awm", "AdvantageFlow"]

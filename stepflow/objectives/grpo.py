@@ -67,7 +67,7 @@ class Distill(Objective):
         return sorted({min(k + 2, num_steps) for k in trained})
 
     def loss(self, learner, traj, adv, term, rows, times, x0_hat):
-        pol, dev, k = learner.policy, learner.policy.device, term
+        dev, k = learner.policy.device, term
         x_k = traj.latents[rows, k].to(dev)
         t = times[k]
         v = policy_velocity(learner, traj, k, rows, x_k, t, traj.cond.index(rows).to(dev))
