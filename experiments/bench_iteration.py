@@ -2,7 +2,8 @@
 """Benchmark: one GRPO iteration with gain credit against one with uniform credit, interleaved in one process.
 
     python experiments/bench_iteration.py [--settings shapes_default,shapes_paper,sd3_default,sd3_paper] \
-        [--iters 6] [--warmup 1] [--json out.json] [--threads 1] [-- extra Hydra overrides]
+        [--iters 6] [--warmup 1] [--json out.json] [--threads 1] [--compare KEY=V1,V2 [--scheme uniform]] \
+        [-- extra Hydra overrides]
 
 For each setting, builds a gain module and a uniform module from the training config (``conf/train.yaml`` + the
 setting's overrides), then alternates their iterations (gain, uniform, gain, ...) so load on the machine hits both
@@ -178,6 +179,7 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--run-dir", default="/tmp/stepflow_bench")
     ap.add_argument("--compare", default=None, metavar="KEY=V1,V2",
                     help="instead of gain vs uniform: gain with KEY set to each value, interleaved")
+    ap.add_argument("--scheme", default="gain", help="with --compare: the advantage scheme (gain, uniform, ...)")
     ap.add_argument("overrides", nargs="*", help="Hydra overrides added to every setting")
     args = ap.parse_args(argv)
     import torch
@@ -190,7 +192,7 @@ def main(argv=None) -> list[dict]:
         with _quiet():
             for name in [x.strip() for x in args.settings.split(",") if x.strip()]:
                 print(compare(name, _resolve(SETTINGS[name]) + args.overrides, key, vals.split(","), args.iters, args.warmup,
-                              Path(args.run_dir)), flush=True)
+                              Path(args.run_dir), scheme=args.scheme), flush=True)
         return results
     with _quiet():
         for name in [s.strip() for s in args.settings.split(",") if s.strip()]:

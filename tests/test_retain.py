@@ -156,6 +156,26 @@ def test_the_rollout_is_the_same_with_its_graphs_kept(tmp_path):
         assert any(x is not None and float(x.abs().sum()) > 0 for x in g)
 
 
+def test_the_kept_bytes_are_every_kept_steps_measured_by_hand(tmp_path):
+    """The rollout measures the activations on its first kept step only and counts the others the same: measured
+    step by step with SavedBytes on the rollout's own states, the kept steps save exactly as many bytes each, and
+    their sum is ``kept_gib``."""
+    from stepflow.retain import SavedBytes
+    from stepflow.rollout import rollout
+
+    m = _module(tmp_path, *EVERY)
+    lr = m.learner
+    pol = lr.policy
+    traj = rollout(pol, lr.plan.plan(0), lr.sampler, lr.loop.num_steps, lr.guidance, keep=[0, 1, 3])
+    each = []
+    for k in (0, 1, 3):
+        with torch.enable_grad(), SavedBytes(list(pol.parameters())) as s:
+            pol.velocity(traj.latents[:, k], traj.times[k], traj.cond, lr.guidance)
+        each.append(s.bytes)
+    assert len(set(each)) == 1 and each[0] > 0
+    assert traj.kept_gib * 2**30 == pytest.approx(sum(each), rel=1e-12)
+
+
 def test_auto_keeps_the_graphs_within_the_budget_and_recomputes_beyond(tmp_path, caplog):
     """``auto``: on where it applies and the kept activations fit ``loop.retain_max_gib``; a budget below what one
     step keeps falls back (the graphs let go), logs why, and trains exactly as recomputation."""
