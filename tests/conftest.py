@@ -102,9 +102,13 @@ def own_run_dir(module: str, args, tmp_dir) -> tuple:
     if module not in _RUN_DIR_MODULES:
         return tuple(args)
     key = "hydra.sweep.dir=" if ("--multirun" in args or "-m" in args) else "hydra.run.dir="
+    args = tuple(args)
     if any(str(a).startswith((key, f"+{key}", f"++{key}")) for a in args):
-        return tuple(args)
-    return (*args, f"{key}{tmp_dir}")
+        return args
+    # beside the first override: Hydra's parser takes the overrides as one run of positional arguments, so one
+    # appended after a flag (`experiment=smoke --multirun --cfg job <here>`) is refused as unrecognised
+    at = next((i for i, a in enumerate(args) if "=" in str(a) and not str(a).startswith("-")), len(args))
+    return (*args[:at], f"{key}{tmp_dir}", *args[at:])
 
 
 @pytest.fixture
