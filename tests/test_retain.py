@@ -294,10 +294,10 @@ def _glibc() -> bool:
 def test_the_memory_the_backward_frees_is_the_next_rollouts(tmp_path, run_module):
     """The kept graphs' activations, freed together by the update's backward, are the next iteration's rollout and
     estimate memory (``loop.retain_keep_memory``, stepflow.retain.keep_freed_memory): from the second iteration on,
-    those phases fault in a few pages (measured 3 % of what the graphs hold by the third iteration, 14 % in the second
-    while the heap grows to its peak), while glibc left alone returns the memory to the OS and the rollout and
-    estimate fault back in 33-44 % of it every iteration (1.2 GiB kept). Fresh processes: the allocator's settings
-    are per process."""
+    those phases fault in a few pages (iterations 2 and 3 together: 12-16 % of what the graphs hold, most of it in the
+    second while the heap grows to its peak), while glibc left alone returns the memory to the OS and the rollout and
+    estimate fault much of it back in (77-177 % over the two; glibc's own thresholds adapt now and then, so one
+    iteration alone may show none). Fresh processes: the allocator's settings are per process."""
     import csv
 
     ov = ["experiment=mini_allsteps", "loop.iterations=3", "eval.every=0", "eval.at_start=false", "eval.max_prompts=4",
@@ -312,7 +312,7 @@ def test_the_memory_the_backward_frees_is_the_next_rollouts(tmp_path, run_module
         pages = [float(x["mem/retained_gib"]) * 2**30 / 4096 for x in rows]
         share[keep] = [(float(x["mem/page_faults_rollout"]) + float(x["mem/page_faults_estimate"])) / p
                        for x, p in zip(rows, pages)]
-    assert share["true"][-1] < 0.1 and share["false"][-1] > 0.25, share
+    assert sum(share["true"][1:]) < 0.3 and sum(share["false"][1:]) > 0.5, share
 
 
 def test_keep_freed_memory_is_applied_once_and_a_bad_value_is_one_line(cli, tmp_path):
