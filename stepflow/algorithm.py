@@ -209,8 +209,7 @@ def retained_steps(learner: Learner, trained: list[int]) -> tuple[list[int] | No
             raise ValueError(f"loop.retain_graph=true: {why}; set loop.retain_graph=false (or auto)")
         _log_once(learner, f"loop.retain_graph=auto: the update recomputes: {why}")
         return None, None
-    if getattr(learner.loop, "retain_keep_memory", True) and learner.policy.device.type == "cpu" \
-            and retain.keep_freed_memory():
+    if learner.loop.retain_keep_memory and learner.policy.device.type == "cpu" and retain.keep_freed_memory():
         _log_once(learner, "loop.retain_graph: freed host memory stays in the process for the next rollout "
                            "(glibc mallopt; loop.retain_keep_memory=false returns it to the OS)")
     return list(trained), (float(learner.loop.retain_max_gib) if m == "auto" else None)

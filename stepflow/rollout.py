@@ -171,10 +171,10 @@ def rollout(policy: FlowPolicy, plan: IterationPlan, sampler: SamplerConfig, num
 
     ``keep`` (``loop.retain_graph``, :mod:`stepflow.retain`): the steps whose velocity is evaluated with gradients
     and kept with its graph in ``Trajectory.kept`` (the trajectory itself is built from the detached values, so it is
-    the same as without). ``keep_budget_gib``: when the kept activations, projected from the steps kept so far to
-    all of ``keep``, exceed it, the graphs are let go and the rollout goes on without (``Trajectory.kept`` None,
-    ``kept_refused`` says why). The activations are measured (:class:`stepflow.retain.SavedBytes`) on the first kept
-    step and counted the same for the others.
+    the same as without). The activations are measured (:class:`stepflow.retain.SavedBytes`) on the first kept step
+    and counted the same for the others. ``keep_budget_gib``: when they, projected from the first kept step to all of
+    ``keep``, exceed it, the graphs are let go and the rollout goes on without (``Trajectory.kept`` None,
+    ``kept_refused`` says why).
     """
     from stepflow.retain import SavedBytes
 
@@ -206,22 +206,24 @@ def rollout(policy: FlowPolicy, plan: IterationPlan, sampler: SamplerConfig, num
     x0_prev = None  # dpm2: the x̂0 of the previous state
     keep = sorted({int(k) for k in keep}) if keep else []
     kept: dict[int, Tensor] | None = {} if keep else None
-    kept_bytes, step_bytes, refused = 0, 0, None
+    step_bytes, refused = 0, None  # the activations one kept step saves
     weights = list(policy.parameters()) if keep and isinstance(policy, torch.nn.Module) else []
     for k in range(num_steps if depth is None else depth):
         if kept is not None and k in keep:
             # the activations are measured on the first kept step only: every kept step is the same forward at the
             # same batch, and the measuring hook (a Python call per saved tensor) cost the rollout 0.1-0.3 s of 2
             # on the every-step recipe
-            with torch.enable_grad(), (SavedBytes(weights) if not kept else contextlib.nullcontext()) as saved:
+            first = not kept
+            with torch.enable_grad(), (SavedBytes(weights) if first else contextlib.nullcontext()) as saved:
                 v_graph = policy.velocity(x, times[k], cond, guidance)
-            step_bytes = saved.bytes if saved is not None else step_bytes
-            kept[k], kept_bytes = v_graph, kept_bytes + step_bytes
-            projected = kept_bytes / len(kept) * len(keep) / 2**30
-            if keep_budget_gib is not None and projected > keep_budget_gib:
-                refused = (f"the kept activations would take {projected:.2f} GiB (measured on {len(kept)} of "
-                           f"{len(keep)} steps) > loop.retain_max_gib={keep_budget_gib:g}")
-                kept, kept_bytes = None, 0
+            kept[k] = v_graph
+            if first:
+                step_bytes = saved.bytes
+                projected = step_bytes * len(keep) / 2**30
+                if keep_budget_gib is not None and projected > keep_budget_gib:
+                    refused = (f"the kept activations would take {projected:.2f} GiB (measured on the first of "
+                               f"{len(keep)} kept steps) > loop.retain_max_gib={keep_budget_gib:g}")
+                    kept = None
             v = v_graph.detach()
         else:
             v = policy.velocity(x, times[k], cond, guidance)
@@ -251,7 +253,8 @@ def rollout(policy: FlowPolicy, plan: IterationPlan, sampler: SamplerConfig, num
     return Trajectory(latents=torch.stack(lat, 1), velocities=torch.stack(vel, 1), log_probs=torch.stack(lps, 1),
                       trainable=torch.stack(trn, 1), times=times, cond=cond, prompts=list(plan.prompts),
                       meta=list(plan.meta), tail_start=None if last is None else last + 1,
-                      tail_times=tail, kept=kept, kept_gib=kept_bytes / 2**30, kept_refused=refused)
+                      tail_times=tail, kept=kept, kept_gib=step_bytes * len(kept) / 2**30 if kept else 0.0,
+                      kept_refused=refused)
 
 
 @torch.no_grad()
