@@ -2,7 +2,7 @@
 """Benchmark: one GRPO iteration with gain credit against one with uniform credit, interleaved in one process.
 
     python experiments/bench_iteration.py [--settings shapes_default,shapes_paper,sd3_default,sd3_paper] \
-        [--iters 6] [--warmup 1] [--json out.json] [--threads 1] [--compare KEY=V1,V2 [--scheme uniform]] \
+        [--iters 6] [--warmup 1] [--json out.json] [--threads 1] [--compare KEY=V1,V2 [--scheme uniform] [--memory]] \
         [-- extra Hydra overrides]
 
 For each setting, builds a gain module and a uniform module from the training config (``conf/train.yaml`` + the
@@ -11,6 +11,11 @@ alike; the first ``--warmup`` iterations of each are dropped. Reports medians of
 estimate, reward, advantage, update) and per iteration; NFEs (sample-level transformer forwards, CFG counted twice)
 and forward-equivalent NFEs (a backward counted as 2 forwards); images decoded and scored; the share of the
 iteration spent inside model evaluations (transformer forward + backward, VAE decode); the gain ÷ uniform ratios.
+
+``--compare KEY=V1,V2 --memory``: memory instead of time. Each value trains in its own process (``python -m
+stepflow.train``, ``--warmup + --iters`` iterations; one process's heap would hold the other variant's freed memory),
+and the table gives each phase's peak resident set (``mem/peak_rss_gib_<phase>``, Linux), medians over the
+iterations after the warm-up, and the activations the rollout kept (``mem/retained_gib``, ``loop.retain_graph``).
 
 Settings (CPU, one torch thread):
 
@@ -136,6 +141,34 @@ def compare(name: str, overrides: list[str], key: str, values: list[str], iters:
     return "\n".join(lines)
 
 
+def memory(name: str, overrides: list[str], key: str, values: list[str], iters: int, warmup: int, run_dir: Path,
+           scheme: str = "gain", threads: int = 1) -> str:
+    """``--memory``: each value of ``key`` trained in a process of its own; per-phase peak resident set (GiB)."""
+    import csv
+    import os
+    import subprocess
+
+    lines = [f"| {name} ({scheme}) | " + " | ".join(PHASES) + " | kept activations |", "|" + "---|" * (len(PHASES) + 2)]
+    for v in values:
+        d = run_dir / name / f"memory_{key}_{v}"
+        cmd = [sys.executable, "-m", "stepflow.train", *overrides, f"advantage={scheme}", f"{key}={v}",
+               f"loop.iterations={iters + warmup}", "eval.every=0", "eval.at_start=false", f"torch_threads={threads}",
+               f"hydra.run.dir={d}"]
+        r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+        if r.returncode != 0:
+            raise SystemExit(f"{key}={v}: stepflow.train failed: {(r.stderr.strip().splitlines() or ['?'])[-1]}")
+        rows = [x for x in csv.DictReader((d / "metrics.csv").open()) if x.get("time/iteration_s")][warmup:]
+
+        def med(k, rows=rows):
+            xs = [float(x[k]) for x in rows if x.get(k) not in (None, "")]
+            return statistics.median(xs) if xs else float("nan")
+
+        kept = med("mem/retained_gib")
+        lines.append(f"| {key}={v} | " + " | ".join(f"{med(f'mem/peak_rss_gib_{p}'):.2f}" for p in PHASES)
+                     + f" | {'—' if kept != kept else f'{kept:.2f}'} |")
+    return "\n".join(lines)
+
+
 def table(results: list[dict]) -> str:
     head = ("| setting | scheme | s/it | " + " | ".join(PHASES) + " | NFE | fwd-equiv NFE | images | model share |"
             " gain ÷ uniform (s/it, fwd-equiv) |")
@@ -180,6 +213,8 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--compare", default=None, metavar="KEY=V1,V2",
                     help="instead of gain vs uniform: gain with KEY set to each value, interleaved")
     ap.add_argument("--scheme", default="gain", help="with --compare: the advantage scheme (gain, uniform, ...)")
+    ap.add_argument("--memory", action="store_true",
+                    help="with --compare: each value in its own training process; the per-phase peak resident set")
     ap.add_argument("overrides", nargs="*", help="Hydra overrides added to every setting")
     args = ap.parse_args(argv)
     import torch
@@ -187,8 +222,15 @@ def main(argv=None) -> list[dict]:
     torch.set_num_threads(args.threads)
     sys.path.insert(0, str(ROOT / "tests"))
     results = []
+    if args.memory and not args.compare:
+        ap.error("--memory: needs --compare KEY=V1,V2 (the variants to train, each in its own process)")
     if args.compare:
         key, _, vals = args.compare.partition("=")
+        if args.memory:
+            for name in [x.strip() for x in args.settings.split(",") if x.strip()]:
+                print(memory(name, _resolve(SETTINGS[name]) + args.overrides, key, vals.split(","), args.iters,
+                             args.warmup, Path(args.run_dir), scheme=args.scheme, threads=args.threads), flush=True)
+            return results
         with _quiet():
             for name in [x.strip() for x in args.settings.split(",") if x.strip()]:
                 print(compare(name, _resolve(SETTINGS[name]) + args.overrides, key, vals.split(","), args.iters, args.warmup,

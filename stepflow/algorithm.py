@@ -90,9 +90,11 @@ class Learner:
 
 
 class Phases:
-    """Seconds and policy NFEs (sample-level transformer evaluations, CFG counted twice) per phase, and on CUDA the
-    peak memory of each phase (GiB): ``with phases("rollout"): ...``. CUDA is synchronised at both ends, so a
-    phase's seconds are its own."""
+    """Seconds and policy NFEs (sample-level transformer evaluations, CFG counted twice) per phase, and the peak
+    memory of each phase (GiB): ``with phases("rollout"): ...``. On CUDA the peak allocated by PyTorch
+    (:attr:`peak_gib`; CUDA is synchronised at both ends, so a phase's seconds are its own); on Linux the process's
+    peak resident set (:attr:`peak_rss_gib`, :func:`_reset_peak_rss` / :func:`_peak_rss_gib`): everything the process
+    holds in RAM, the model and the allocator's kept free memory included."""
 
     def __init__(self, policy: FlowPolicy):
         self.policy = policy
@@ -101,6 +103,7 @@ class Phases:
         self.nfe_grad: dict[str, int] = {}
         self.peak_gib: dict[str, float] = {}
         self.page_faults: dict[str, int] = {}  #: minor page faults of the process (fresh memory faulted in)
+        self.peak_rss_gib: dict[str, float] = {}  #: the process's peak resident set in the phase (Linux)
 
     @contextlib.contextmanager
     def __call__(self, name: str):
@@ -108,11 +111,14 @@ class Phases:
         if cuda:
             torch.cuda.synchronize(self.policy.device)
             torch.cuda.reset_peak_memory_stats(self.policy.device)
+        rss = _reset_peak_rss()
         n0, g0, f0, t0 = self.policy.nfe, self.policy.nfe_grad, _minor_faults(), time.perf_counter()
         try:
             yield
         finally:
             self.page_faults[name] = self.page_faults.get(name, 0) + _minor_faults() - f0
+            if rss:
+                self.peak_rss_gib[name] = max(self.peak_rss_gib.get(name, 0.0), _peak_rss_gib())
             if cuda:
                 torch.cuda.synchronize(self.policy.device)
                 peak = torch.cuda.max_memory_allocated(self.policy.device) / 2**30
@@ -120,6 +126,29 @@ class Phases:
             self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - t0
             self.nfe[name] = self.nfe.get(name, 0) + self.policy.nfe - n0
             self.nfe_grad[name] = self.nfe_grad.get(name, 0) + self.policy.nfe_grad - g0
+
+
+_PROC = "/proc/self"
+
+
+def _reset_peak_rss() -> bool:
+    """Reset the process's peak resident set (Linux: ``5`` to ``/proc/self/clear_refs`` resets ``VmHWM``; it touches
+    nothing else, page flags included). False where that file is missing or not writable."""
+    try:
+        with open(f"{_PROC}/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        return False
+    return True
+
+
+def _peak_rss_gib() -> float:
+    """The process's peak resident set since the last :func:`_reset_peak_rss` (``VmHWM`` of /proc/self/status), GiB."""
+    with open(f"{_PROC}/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 2**20  # kB
+    return 0.0
 
 
 def _minor_faults() -> int:
@@ -783,4 +812,5 @@ def iteration_metrics(res: IterationResult, world: int | Dist) -> dict[str, floa
               "cost/nfe_backward": grad_nfe, "cost/nfe_fwd_equiv": nfe + 2 * grad_nfe})
     m.update({f"mem/peak_gib_{p}": v for p, v in res.phases.peak_gib.items()})  # CUDA only
     m.update({f"mem/page_faults_{p}": float(v) for p, v in res.phases.page_faults.items()})  # this rank's process
+    m.update({f"mem/peak_rss_gib_{p}": v for p, v in res.phases.peak_rss_gib.items()})  # this rank's process, Linux
     return m

@@ -108,7 +108,9 @@ class LoopConfig:
     #: activations, measured as they are kept and projected to every kept step, fit ``retain_max_gib``; else
     #: recomputation; train/retained says which)
     retain_graph: Any = False  # typed loosely: true / false / auto, checked below
-    retain_max_gib: float = 8.0  #: retain_graph=auto: the most GiB of kept activations per rank
+    #: retain_graph=auto: the most GiB of kept activations per rank (what autograd saves; on the CPU under glibc's malloc
+    #: the process grows by about twice that, docs/method.md §14)
+    retain_max_gib: float = 8.0
     #: with the graphs kept on the CPU: freed host memory stays in the process for the next rollout instead of going
     #: back to the OS and returning as fresh zeroed pages (glibc; stepflow.retain.keep_freed_memory)
     retain_keep_memory: bool = True

@@ -322,3 +322,37 @@ def test_keep_freed_memory_is_applied_once_and_a_bad_value_is_one_line(cli, tmp_
     r = cli("stepflow.train", "experiment=smoke", f"hydra.run.dir={tmp_path}", "loop.retain_keep_memory=sometimes")
     err = r.stderr.strip().splitlines()
     assert r.returncode != 0 and len(err) == 1 and "loop.retain_keep_memory" in err[0], r.stderr[-2000:]
+
+
+@pytest.mark.skipif(not __import__("os").access("/proc/self/clear_refs", __import__("os").W_OK),
+                    reason="Linux's /proc/self/clear_refs")
+def test_each_phase_reports_its_own_peak_resident_set():
+    """``mem/peak_rss_gib_<phase>`` (the CPU's counterpart of CUDA's per-phase peak): a phase that touches 256 MiB and
+    frees them peaks that much above the next phase, which touches nothing (the peak is reset at each phase's start:
+    without the reset the second phase reports the first one's peak)."""
+    from stepflow.algorithm import Phases, _peak_rss_gib
+
+    class _Policy:
+        device, nfe, nfe_grad = torch.device("cpu"), 0, 0
+
+    ph = Phases(_Policy())
+    with ph("alloc"):
+        x = torch.ones(64 * 2**20)  # 256 MiB, every page written; over glibc's mmap threshold: unmapped when freed
+        del x
+    with ph("idle"):
+        now = _peak_rss_gib()
+    assert ph.peak_rss_gib["alloc"] - ph.peak_rss_gib["idle"] >= 0.24, ph.peak_rss_gib
+    assert abs(ph.peak_rss_gib["idle"] - now) < 0.05, (ph.peak_rss_gib, now)
+    with ph("alloc"):  # a phase met again keeps its largest peak
+        pass
+    assert ph.peak_rss_gib["alloc"] - ph.peak_rss_gib["idle"] >= 0.24, ph.peak_rss_gib
+
+
+def test_a_runs_metrics_carry_every_phases_peak_resident_set(tmp_path):
+    import stepflow.algorithm as alg
+
+    if not alg._reset_peak_rss():
+        pytest.skip("Linux's /proc/self/clear_refs")
+    m = _module(tmp_path, *RECIPES["every_step"], "loop.retain_graph=true").iterate()
+    for p in ("rollout", "estimate", "reward", "advantage", "update"):
+        assert 0.05 < m[f"mem/peak_rss_gib_{p}"] < 64, (p, m[f"mem/peak_rss_gib_{p}"])
