@@ -165,7 +165,7 @@ def memory(name: str, overrides: list[str], key: str, values: list[str], iters: 
 
         kept = med("mem/retained_gib")
         lines.append(f"| {key}={v} | " + " | ".join(f"{med(f'mem/peak_rss_gib_{p}'):.2f}" for p in PHASES)
-                     + f" | {'—' if kept != kept else f'{kept:.2f}'} |")
+                     + f" | {'—' if kept != kept else f'{kept:.3g}'} |")
     return "\n".join(lines)
 
 

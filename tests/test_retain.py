@@ -356,3 +356,22 @@ def test_a_runs_metrics_carry_every_phases_peak_resident_set(tmp_path):
     m = _module(tmp_path, *RECIPES["every_step"], "loop.retain_graph=true").iterate()
     for p in ("rollout", "estimate", "reward", "advantage", "update"):
         assert 0.05 < m[f"mem/peak_rss_gib_{p}"] < 64, (p, m[f"mem/peak_rss_gib_{p}"])
+
+
+def test_bench_memory_trains_each_variant_in_its_own_process(tmp_path, capsys):
+    """``experiments/bench_iteration.py --compare loop.retain_graph=false,true --memory``: a row per variant with each
+    phase's peak resident set, and the kept activations where retain kept some."""
+    from helpers.experiments import load_experiment
+
+    if not __import__("stepflow.algorithm", fromlist=["_reset_peak_rss"])._reset_peak_rss():
+        pytest.skip("Linux's /proc/self/clear_refs")
+    bench = load_experiment("bench_iteration")
+    bench.main(["--settings", "shapes_default", "--compare", "loop.retain_graph=false,true", "--memory", "--iters", "1",
+                "--run-dir", str(tmp_path), "experiment=smoke"])
+    rows = [r.split("|")[1:-1] for r in capsys.readouterr().out.splitlines() if r.startswith("| loop.retain_graph=")]
+    assert [r[0].strip() for r in rows] == ["loop.retain_graph=false", "loop.retain_graph=true"], rows
+    for r in rows:
+        assert all(0.05 < float(x) < 64 for x in r[1:6]), r
+    assert rows[0][6].strip() == "—" and float(rows[1][6]) > 0, rows
+    with pytest.raises(SystemExit):
+        bench.main(["--memory"])
