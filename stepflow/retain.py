@@ -29,7 +29,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-__all__ = ["SavedBytes", "why_not", "why_not_at_runtime", "mode", "keep_freed_memory"]
+__all__ = ["SavedBytes", "why_not", "why_not_at_runtime", "mode", "keep_freed_memory", "allocator_hint"]
 
 
 class SavedBytes:
@@ -119,6 +119,41 @@ MMAP_THRESHOLD, TRIM_THRESHOLD = 32 * 2**20, 2**31 - 1
 _kept_memory: bool | None = None
 
 
+#: allocators that, preloaded, replace glibc's malloc (the hint below is then not given)
+_ALLOCATORS = ("tcmalloc", "jemalloc", "mimalloc")
+
+
+def allocator_hint() -> str | None:
+    """The one line a retaining CPU run logs under glibc's malloc (None under another allocator, or not glibc).
+
+    The kept graphs' tensors sit between the forward's freed temporaries in glibc's heap, and the next forward's kept
+    tensors do not fit the holes: the process grows by about twice what the graphs hold and the other phases slow down
+    (docs/results.md, "What it costs in memory"). tcmalloc does not fragment this way; it has to be preloaded
+    (``LD_PRELOAD``), which only the command that starts the process can do."""
+    import ctypes.util
+    import os
+
+    if any(a in os.environ.get("LD_PRELOAD", "") for a in _ALLOCATORS) or not _glibc():
+        return None
+    lib = ctypes.util.find_library("tcmalloc_minimal") or ctypes.util.find_library("tcmalloc")
+    how = f"LD_PRELOAD={lib}" if lib else "LD_PRELOAD=libtcmalloc_minimal.so.4 (Debian/Ubuntu: libtcmalloc-minimal4)"
+    return ("loop.retain_graph on the CPU under glibc's malloc: the kept graphs leave holes in the heap (the process "
+            "grows by about twice what they hold, and the rollout and estimate slow down); tcmalloc avoids both: "
+            f"{how} python -m stepflow.train ...")
+
+
+def _glibc():
+    """glibc's C library (ctypes), or None."""
+    try:
+        import ctypes
+        import ctypes.util
+
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+    except OSError:  # pragma: no cover - no C library to load (not Linux)
+        return None
+    return libc if hasattr(libc, "gnu_get_libc_version") else None
+
+
 def keep_freed_memory() -> bool:
     """Keep freed host memory in the process for reuse instead of returning it to the OS (glibc only; once per
     process; True where applied). ``mallopt(M_MMAP_THRESHOLD, 32 MiB)`` serves every block below 32 MiB from the heap
@@ -128,15 +163,7 @@ def keep_freed_memory() -> bool:
     keeps its peak heap (up to the 2 GiB above what it uses) until it ends."""
     global _kept_memory
     if _kept_memory is None:
-        _kept_memory = False
-        try:
-            import ctypes
-            import ctypes.util
-
-            libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-            if hasattr(libc, "gnu_get_libc_version") and hasattr(libc, "mallopt"):
-                _kept_memory = bool(libc.mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD)) and bool(
-                    libc.mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD))
-        except OSError:  # pragma: no cover - no C library to load (not Linux)
-            pass
+        libc = _glibc()
+        _kept_memory = libc is not None and hasattr(libc, "mallopt") and bool(
+            libc.mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD)) and bool(libc.mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD))
     return _kept_memory

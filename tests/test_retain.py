@@ -375,3 +375,26 @@ def test_bench_memory_trains_each_variant_in_its_own_process(tmp_path, capsys):
     assert rows[0][6].strip() == "—" and float(rows[1][6]) > 0, rows
     with pytest.raises(SystemExit):
         bench.main(["--memory"])
+
+
+@pytest.mark.skipif(not _glibc(), reason="glibc's malloc")
+def test_a_retaining_cpu_run_under_glibc_says_how_to_preload_tcmalloc(tmp_path, caplog, monkeypatch):
+    """Under glibc's malloc the kept graphs fragment the heap (docs/results.md, "What it costs in memory"): a retaining
+    CPU run logs once how to preload tcmalloc; under a preloaded allocator, or recomputing, nothing is said."""
+    from stepflow import retain
+
+    monkeypatch.delenv("LD_PRELOAD", raising=False)
+    hint = retain.allocator_hint()
+    assert hint is not None and "glibc" in hint and "LD_PRELOAD=" in hint and "tcmalloc" in hint, hint
+    with caplog.at_level("INFO", logger="stepflow.train"):
+        m = _module(tmp_path / "on", *EVERY, "loop.retain_graph=true")
+        m.iterate()
+        m.iterate()
+    assert [r.message for r in caplog.records].count(hint) == 1
+    caplog.clear()
+    with caplog.at_level("INFO", logger="stepflow.train"):
+        _module(tmp_path / "off", *EVERY).iterate()
+    assert hint not in [r.message for r in caplog.records]
+    for lib in ("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4", "libjemalloc.so.2"):
+        monkeypatch.setenv("LD_PRELOAD", lib)
+        assert retain.allocator_hint() is None
