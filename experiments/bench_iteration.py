@@ -145,6 +145,7 @@ def memory(name: str, overrides: list[str], key: str, values: list[str], iters: 
            scheme: str = "gain", threads: int = 1) -> str:
     """``--memory``: each value of ``key`` trained in a process of its own; per-phase peak resident set (GiB)."""
     import csv
+    import math
     import os
     import subprocess
 
@@ -165,7 +166,7 @@ def memory(name: str, overrides: list[str], key: str, values: list[str], iters: 
 
         kept = med("mem/retained_gib")
         lines.append(f"| {key}={v} | " + " | ".join(f"{med(f'mem/peak_rss_gib_{p}'):.2f}" for p in PHASES)
-                     + f" | {'—' if kept != kept else f'{kept:.3g}'} |")
+                     + f" | {'—' if math.isnan(kept) else f'{kept:.3g}'} |")
     return "\n".join(lines)
 
 

@@ -238,11 +238,12 @@ def retained_steps(learner: Learner, trained: list[int]) -> tuple[list[int] | No
             raise ValueError(f"loop.retain_graph=true: {why}; set loop.retain_graph=false (or auto)")
         _log_once(learner, f"loop.retain_graph=auto: the update recomputes: {why}")
         return None, None
-    if learner.loop.retain_keep_memory and learner.policy.device.type == "cpu" and retain.keep_freed_memory():
-        _log_once(learner, "loop.retain_graph: freed host memory stays in the process for the next rollout "
-                           "(glibc mallopt; loop.retain_keep_memory=false returns it to the OS)")
-    if learner.policy.device.type == "cpu" and (hint := retain.allocator_hint()):
-        _log_once(learner, hint)
+    if learner.policy.device.type == "cpu":
+        if learner.loop.retain_keep_memory and retain.keep_freed_memory():
+            _log_once(learner, "loop.retain_graph: freed host memory stays in the process for the next rollout "
+                               "(glibc mallopt; loop.retain_keep_memory=false returns it to the OS)")
+        if hint := retain.allocator_hint():
+            _log_once(learner, hint)
     return list(trained), (float(learner.loop.retain_max_gib) if m == "auto" else None)
 
 

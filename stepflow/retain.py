@@ -26,6 +26,8 @@ removes them.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import Tensor
 
@@ -130,20 +132,28 @@ def allocator_hint() -> str | None:
     tensors do not fit the holes: the process grows by about twice what the graphs hold and the other phases slow down
     (docs/results.md, "What it costs in memory"). tcmalloc does not fragment this way; it has to be preloaded
     (``LD_PRELOAD``), which only the command that starts the process can do."""
-    import ctypes.util
     import os
 
     if any(a in os.environ.get("LD_PRELOAD", "") for a in _ALLOCATORS) or not _glibc():
         return None
-    lib = ctypes.util.find_library("tcmalloc_minimal") or ctypes.util.find_library("tcmalloc")
+    lib = _tcmalloc()
     how = f"LD_PRELOAD={lib}" if lib else "LD_PRELOAD=libtcmalloc_minimal.so.4 (Debian/Ubuntu: libtcmalloc-minimal4)"
     return ("loop.retain_graph on the CPU under glibc's malloc: the kept graphs leave holes in the heap (the process "
             "grows by about twice what they hold, and the rollout and estimate slow down); tcmalloc avoids both: "
             f"{how} python -m stepflow.train ...")
 
 
+@functools.cache
+def _tcmalloc() -> str | None:
+    """tcmalloc's library name as the dynamic loader finds it (``ldconfig``), or None; looked up once per process."""
+    import ctypes.util
+
+    return ctypes.util.find_library("tcmalloc_minimal") or ctypes.util.find_library("tcmalloc")
+
+
+@functools.cache
 def _glibc():
-    """glibc's C library (ctypes), or None."""
+    """glibc's C library (ctypes), or None; loaded once per process."""
     try:
         import ctypes
         import ctypes.util

@@ -9,6 +9,7 @@ apply refuse with one line (``true``) or fall back (``auto``); ``SavedBytes`` ag
 from __future__ import annotations
 
 import math
+import os
 
 import pytest
 import torch
@@ -324,8 +325,12 @@ def test_keep_freed_memory_is_applied_once_and_a_bad_value_is_one_line(cli, tmp_
     assert r.returncode != 0 and len(err) == 1 and "loop.retain_keep_memory" in err[0], r.stderr[-2000:]
 
 
-@pytest.mark.skipif(not __import__("os").access("/proc/self/clear_refs", __import__("os").W_OK),
-                    reason="Linux's /proc/self/clear_refs")
+#: the per-phase peak resident set needs Linux's /proc/self/clear_refs (stepflow.algorithm._reset_peak_rss)
+needs_clear_refs = pytest.mark.skipif(not os.access("/proc/self/clear_refs", os.W_OK),
+                                      reason="Linux's /proc/self/clear_refs")
+
+
+@needs_clear_refs
 def test_each_phase_reports_its_own_peak_resident_set():
     """``mem/peak_rss_gib_<phase>`` (the CPU's counterpart of CUDA's per-phase peak): a phase that touches 256 MiB and
     frees them peaks that much above the next phase, which touches nothing (the peak is reset at each phase's start:
@@ -348,23 +353,19 @@ def test_each_phase_reports_its_own_peak_resident_set():
     assert ph.peak_rss_gib["alloc"] - ph.peak_rss_gib["idle"] >= 0.24, ph.peak_rss_gib
 
 
+@needs_clear_refs
 def test_a_runs_metrics_carry_every_phases_peak_resident_set(tmp_path):
-    import stepflow.algorithm as alg
-
-    if not alg._reset_peak_rss():
-        pytest.skip("Linux's /proc/self/clear_refs")
     m = _module(tmp_path, *RECIPES["every_step"], "loop.retain_graph=true").iterate()
     for p in ("rollout", "estimate", "reward", "advantage", "update"):
         assert 0.05 < m[f"mem/peak_rss_gib_{p}"] < 64, (p, m[f"mem/peak_rss_gib_{p}"])
 
 
+@needs_clear_refs
 def test_bench_memory_trains_each_variant_in_its_own_process(tmp_path, capsys):
     """``experiments/bench_iteration.py --compare loop.retain_graph=false,true --memory``: a row per variant with each
     phase's peak resident set, and the kept activations where retain kept some."""
     from helpers.experiments import load_experiment
 
-    if not __import__("stepflow.algorithm", fromlist=["_reset_peak_rss"])._reset_peak_rss():
-        pytest.skip("Linux's /proc/self/clear_refs")
     bench = load_experiment("bench_iteration")
     bench.main(["--settings", "shapes_default", "--compare", "loop.retain_graph=false,true", "--memory", "--iters", "1",
                 "--run-dir", str(tmp_path), "experiment=smoke"])
