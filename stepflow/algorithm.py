@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,8 +22,8 @@ from torch import Tensor
 from stepflow import stop
 from stepflow.advantage import AdvantageEstimator, AdvantageOut
 from stepflow.config import LoopConfig, TrainConfig
+from stepflow.core.update import step_gradients, step_loss, steps_per_sample, subset_steps, update
 from stepflow.data import IterationPlan, PromptPlanner
-from stepflow.core.update import clip_and_step, step_gradients, step_loss, steps_per_sample, subset_steps, update
 from stepflow.dist import Dist
 from stepflow.errors import NonFiniteRewardsError, StopRequested
 from stepflow.objectives import Grpo, Objective

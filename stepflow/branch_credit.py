@@ -209,6 +209,60 @@ def _balance(turning: Tensor, cand: Tensor) -> Tensor:
     return out.view_as(turning)
 
 
+def _turning_point_inputs(r_ode: Tensor, r_steps: Tensor, r_sde: Tensor | None,
+                          eta: float) -> tuple[Tensor, Tensor, Tensor]:
+    """:func:`turning_point_rewards`' inputs checked (shapes, finite, ``eta`` a float) and in float64: ``R_t``
+    (B, n), ``R_0`` (B,) and ``R_sde`` (B,) (``r_sde`` None: the last column of ``r_steps``)."""
+    if r_steps.ndim != 2 or r_steps.shape[1] < 1:
+        raise ValueError(f"r_steps: expected shape (B, n) with n >= 1, got {tuple(r_steps.shape)}")
+    b = r_steps.shape[0]
+    steps = r_steps.detach().to(torch.float64)
+    ode = torch.as_tensor(r_ode).detach().to(device=steps.device, dtype=torch.float64)
+    if ode.shape != (b,):
+        raise ValueError(f"r_ode: expected shape ({b},), got {tuple(ode.shape)}")
+    sde = steps[:, -1] if r_sde is None else torch.as_tensor(r_sde).detach().to(device=steps.device,
+                                                                                 dtype=torch.float64)
+    if sde.shape != (b,):
+        raise ValueError(f"r_sde: expected shape ({b},), got {tuple(sde.shape)}")
+    for name, x in (("r_ode", ode), ("r_steps", steps), ("r_sde", sde)):
+        _finite(name, x)
+    if not (isinstance(eta, (int, float)) and eta == eta):
+        raise ValueError(f"eta: must be a float, got {eta!r}")
+    return steps, ode, sde
+
+
+def _turning_mask(steps: Tensor, d: Tensor, delta: Tensor, sde: Tensor, first_step: bool, first_consistent: bool,
+                  inter_consistent: bool) -> Tensor:
+    """The turning points (B, n) bool before balancing, from ``R_t`` (B, n), ``d_t`` (B, n), ``Δ`` (B,) and
+    ``R_sde`` (B,): with ``s_t = sign(d_t)·sign(Δ)``, step 1 when ``first_step`` (``s_1 > 0``, or consistent when
+    ``first_consistent``), step t ≥ 2 when ``s_{t−1} < 0`` and ``s_t > 0`` (and consistent when
+    ``inter_consistent``); consistent: ``sign(d_t)·sign(R_sde − R_t) > 0``."""
+    b, n = steps.shape
+    s = torch.sign(d) * torch.sign(delta).view(b, 1)
+    consistent = (torch.sign(d) * torch.sign(sde.view(b, 1) - steps)) > 0  # sign(d_t)·sign(R_sde − R_t) > 0
+    turning = torch.zeros(b, n, dtype=torch.bool, device=steps.device)
+    if first_step:
+        turning[:, 0] = consistent[:, 0] if first_consistent else s[:, 0] > 0
+    if n > 1:
+        inter = (s[:, :-1] < 0) & (s[:, 1:] > 0)
+        if inter_consistent:
+            inter = inter & consistent[:, 1:]
+        turning[:, 1:] = inter
+    return turning
+
+
+def _balance_batches(turning: Tensor, cand: Tensor, balance_ids: Tensor | None) -> Tensor:
+    """:func:`_balance` of each sampling batch (the rows sharing a ``balance_ids`` value; None: all rows at once)."""
+    if balance_ids is None:
+        return _balance(turning, cand)
+    inv, k = _group_index(balance_ids, turning.shape[0], turning.device)
+    out = turning.clone()
+    for g in range(k):
+        rows = torch.nonzero(inv == g).flatten()
+        out[rows] = _balance(turning[rows], cand[rows])
+    return out
+
+
 def turning_point_rewards(r_ode: Tensor, r_steps: Tensor, r_sde: Tensor | None = None, *, eta: float = 1.0,
                           apply_first_step_bonus: bool = True,
                           select_first_step_only_from_consistent_trajectory: bool = True,
@@ -258,48 +312,16 @@ def turning_point_rewards(r_ode: Tensor, r_steps: Tensor, r_sde: Tensor | None =
     unspecified. (2) float64 arithmetic (the released is float32); the signs are the same (a float32
     difference rounds to 0 only when the two are equal).
     """
-    if r_steps.ndim != 2 or r_steps.shape[1] < 1:
-        raise ValueError(f"r_steps: expected shape (B, n) with n >= 1, got {tuple(r_steps.shape)}")
-    b, n = r_steps.shape
-    steps = r_steps.detach().to(torch.float64)
-    ode = torch.as_tensor(r_ode).detach().to(device=steps.device, dtype=torch.float64)
-    if ode.shape != (b,):
-        raise ValueError(f"r_ode: expected shape ({b},), got {tuple(ode.shape)}")
-    sde = steps[:, -1] if r_sde is None else torch.as_tensor(r_sde).detach().to(device=steps.device,
-                                                                                 dtype=torch.float64)
-    if sde.shape != (b,):
-        raise ValueError(f"r_sde: expected shape ({b},), got {tuple(sde.shape)}")
-    for name, x in (("r_ode", ode), ("r_steps", steps), ("r_sde", sde)):
-        _finite(name, x)
-    if not (isinstance(eta, (int, float)) and eta == eta):
-        raise ValueError(f"eta: must be a float, got {eta!r}")
-
+    steps, ode, sde = _turning_point_inputs(r_ode, r_steps, r_sde, eta)
+    b, n = steps.shape
     prev = torch.cat([ode.view(b, 1), steps[:, :-1]], dim=1)  # R_{t-1}, (B, n)
     d = steps - prev
     delta = sde - ode
-    s = torch.sign(d) * torch.sign(delta).view(b, 1)
-    consistent = (torch.sign(d) * torch.sign(sde.view(b, 1) - steps)) > 0  # sign(d_t)·sign(R_sde − R_t) > 0
-
-    turning = torch.zeros(b, n, dtype=torch.bool, device=steps.device)
-    if apply_first_step_bonus:
-        turning[:, 0] = consistent[:, 0] if select_first_step_only_from_consistent_trajectory else s[:, 0] > 0
-    if n > 1:
-        inter = (s[:, :-1] < 0) & (s[:, 1:] > 0)
-        if select_inter_step_only_from_consistent_trajectory:
-            inter = inter & consistent[:, 1:]
-        turning[:, 1:] = inter
-
+    turning = _turning_mask(steps, d, delta, sde, apply_first_step_bonus,
+                            select_first_step_only_from_consistent_trajectory,
+                            select_inter_step_only_from_consistent_trajectory)
     if use_balanced_bonus:
-        cand = delta.view(b, 1).expand(b, n)
-        if balance_ids is None:
-            turning = _balance(turning, cand)
-        else:
-            inv, k = _group_index(balance_ids, b, steps.device)
-            out = turning.clone()
-            for g in range(k):
-                rows = torch.nonzero(inv == g).flatten()
-                out[rows] = _balance(turning[rows], cand[rows])
-            turning = out
+        turning = _balance_batches(turning, delta.view(b, 1).expand(b, n), balance_ids)
 
     raw = (sde.view(b, 1) - prev) if use_sde_minus_rt else delta.view(b, 1).expand(b, n)
     bonus = float(eta) * turning.to(torch.float64) * raw

@@ -88,14 +88,27 @@ class ShapesStream(IterableDataset):
 
 
 # ------------------------------------------------------------------------------------------------------------ module
+def _t_logit_normal(n: int, mean: float, std: float, generator: torch.Generator | None) -> Tensor:
+    """sigmoid(N(mean, std)), SD3's training times."""
+    return torch.sigmoid(torch.randn(n, generator=generator) * std + mean)
+
+
+def _t_uniform(n: int, mean: float, std: float, generator: torch.Generator | None) -> Tensor:
+    """U(0, 1) training times (``mean`` / ``std`` unused)."""
+    return torch.rand(n, generator=generator)
+
+
+#: :func:`sample_t`'s distributions by ``objective.t_sampling`` name (stepflow.config.T_SAMPLINGS)
+_T_SAMPLERS = dict(logit_normal=_t_logit_normal, uniform=_t_uniform)
+
+
 def sample_t(n: int, kind: str = "logit_normal", mean: float = 0.0, std: float = 1.0,
              generator: torch.Generator | None = None) -> Tensor:
     """Training times in (0, 1): ``logit_normal`` = sigmoid(N(mean, std)) (SD3) or ``uniform``."""
-    if kind == "logit_normal":
-        return torch.sigmoid(torch.randn(n, generator=generator) * std + mean)
-    if kind == "uniform":
-        return torch.rand(n, generator=generator)
-    raise ValueError(f"objective.t_sampling: unknown {kind!r}; use logit_normal or uniform")
+    sampler = _T_SAMPLERS.get(kind) if isinstance(kind, str) else None
+    if sampler is None:
+        raise ValueError(f"objective.t_sampling: unknown {kind!r}; use logit_normal or uniform")
+    return sampler(n, mean, std, generator)
 
 
 def flow_matching_loss(policy, x0: Tensor, prompts: list[str], t: Tensor, noise: Tensor) -> Tensor:

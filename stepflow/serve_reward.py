@@ -38,7 +38,7 @@ import logging
 import re
 import socket
 import threading
-from dataclasses import fields
+from dataclasses import dataclass, fields
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
@@ -161,6 +161,187 @@ def _parse_request(body: bytes, limits: Limits | None = None) -> tuple[Any, list
     return tensor, prompts, meta
 
 
+@dataclass(frozen=True)
+class _Scoring:
+    """What every request of one server shares: the reward and its lock (never held while reading or decoding),
+    the limits, and the semaphores that bound the decodes and the requests handled at once."""
+
+    reward: Reward
+    limits: Limits
+    lock: threading.Lock
+    decoding: threading.BoundedSemaphore
+    inflight: threading.BoundedSemaphore
+    reward_name: str
+
+    @classmethod
+    def build(cls, reward: Reward, lim: Limits) -> _Scoring:
+        """A fresh lock and semaphores sized by ``lim`` (``decode_workers``, ``max_inflight``) for ``reward``."""
+        return cls(reward, lim, threading.Lock(), threading.BoundedSemaphore(lim.decode_workers),
+                   threading.BoundedSemaphore(lim.max_inflight), getattr(reward, "name", type(reward).__name__))
+
+
+#: what :meth:`_Handler._run_reward` returns once it has answered the request itself (422 / 500)
+_ANSWERED = object()
+
+
+class _Handler(BaseHTTPRequestHandler):
+    """One connection of the reward server (JSON in and out); :func:`_handler_class` binds it to a
+    :class:`_Scoring` and sets the socket timeout per read / write (``read_timeout_s``)."""
+
+    protocol_version = "HTTP/1.1"
+    scoring: _Scoring  # set by _handler_class
+
+    def log_message(self, fmt: str, *args: Any) -> None:  # route access logs to logging, not stderr
+        log.debug("%s - " + fmt, self.address_string(), *args)
+
+    def _send(self, code: int, obj: Any, close: bool = False) -> None:
+        data = json.dumps(obj).encode()
+        try:
+            self.send_response(code)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            if close:
+                self.send_header("Connection", "close")
+                self.close_connection = True
+            self.end_headers()
+            if self.command != "HEAD":
+                self.wfile.write(data)
+        except OSError:  # the client went away
+            self.close_connection = True
+
+    def _fail(self, code: int, msg: str, close: bool = False) -> None:
+        """A one-line JSON error; ``close`` when the request body was not read (it must not be parsed as the
+        next request)."""
+        if code >= 500:
+            log.warning("%s: %d %s", self.address_string(), code, msg)
+        self._send(code, {"error": one_line(msg)}, close=close)
+
+    def send_error(self, code: int, message: str | None = None, explain: str | None = None) -> None:
+        """http.server's own errors (bad request line, headers too long, unsupported method) as JSON too."""
+        self.close_connection = True
+        if getattr(self, "request_version", None) in (None, "HTTP/0.9"):  # an unparsable request line: answer
+            self.request_version = "HTTP/1.1"  # with a status line and headers all the same
+        msg = message or self.responses.get(code, ("error",))[0]
+        if code == 501:
+            msg = f"method {self.command} not supported; POST / to score, GET /health"
+        self._fail(code, msg, close=True)
+
+    def do_GET(self) -> None:  # noqa: N802
+        if self.path.rstrip("/") in ("/health", ""):
+            self._send(200, {"status": "ok", "reward": self.scoring.reward_name})
+        else:
+            self._fail(404, f"no such path {self.path}; POST / to score, GET /health")
+
+    def do_POST(self) -> None:  # noqa: N802
+        if self.path.rstrip("/") not in ("", "/score"):
+            self._fail(404, f"no such path {self.path}; POST / or /score", close=True)
+            return
+        inflight = self.scoring.inflight
+        if not inflight.acquire(blocking=False):
+            self._fail(503, f"busy: {self.scoring.limits.max_inflight} requests in flight (max_inflight); retry "
+                            f"later", close=True)
+            return
+        try:
+            self._score()
+        finally:
+            inflight.release()
+
+    def _content_length(self) -> int | None:
+        """The declared body size, or None after answering the error (400 / 411 / 413)."""
+        lim = self.scoring.limits
+        if self.headers.get("Transfer-Encoding"):
+            self._fail(411, "chunked request bodies are not supported; send Content-Length", close=True)
+            return None
+        values = self.headers.get_all("Content-Length") or []
+        if not values:
+            self._fail(411, f"missing Content-Length; {_EXPECTED}", close=True)
+            return None
+        raw = values[0].strip()
+        if len(set(v.strip() for v in values)) > 1 or not _DIGITS.fullmatch(raw):
+            self._fail(400, f"bad Content-Length {one_line(', '.join(values), 40)!r}: expected one byte count",
+                       close=True)
+            return None
+        n = int(raw)
+        if n == 0:
+            self._fail(400, f"empty body; {_EXPECTED}")
+            return None
+        if n > lim.max_body:
+            self._fail(413, f"body of {n} bytes is over the limit of {lim.max_body} bytes (max_body_mb="
+                            f"{lim.max_body_mb:g}): send smaller batches (reward.request_batch_size)", close=True)
+            return None
+        return n
+
+    def _read_body(self) -> bytes | None:
+        """The request body (:meth:`_content_length` checked first), or None after answering the error, or when
+        the client closed before sending what it declared (nobody to answer)."""
+        n = self._content_length()
+        if n is None:
+            return None
+        try:
+            body = self.rfile.read(n)
+        except TimeoutError:
+            self._fail(408, f"request body not received within {self.scoring.limits.read_timeout_s:g} s", close=True)
+            return None
+        if len(body) < n:  # the client closed before sending what it declared: nobody to answer
+            self.close_connection = True
+            return None
+        return body
+
+    def _run_reward(self, images: Any, prompts: list[str], meta: list[dict] | None) -> Any:
+        """The reward's output (under the lock), or :data:`_ANSWERED` after answering 422 (it refused the
+        request's content) or 500 (it failed otherwise)."""
+        try:
+            with self.scoring.lock:
+                return self.scoring.reward(images, prompts, meta)
+        except _REFUSED as e:  # the reward cannot use what the client sent (its metadata, prompts): 422
+            log.info("%s: 422 the reward refused the request: %s: %s", self.address_string(), type(e).__name__,
+                     one_line(e))
+            self._fail(422, f"the reward cannot score this request ({type(e).__name__}: {one_line(e)}); check "
+                            f"the request's prompts and meta (e.g. GenEval metadata 'tag', 'include')")
+        except Exception as e:  # noqa: BLE001 - the client gets a one-line 500, the server log the traceback
+            log.exception("reward failed")
+            self._fail(500, f"{type(e).__name__}: {one_line(e)}")
+        return _ANSWERED
+
+    def _score(self) -> None:
+        body = self._read_body()
+        if body is None:
+            return
+        try:
+            with self.scoring.decoding:
+                images, prompts, meta = _parse_request(body, self.scoring.limits)
+        except _BadRequest as e:
+            self._fail(e.code, str(e))
+            return
+        del body
+        out = self._run_reward(images, prompts, meta)
+        if out is _ANSWERED:
+            return
+        if tuple(out.scores.shape) != (len(prompts),):  # the server's fault, not the client's
+            self._fail(500, f"ValueError: reward returned scores of shape {tuple(out.scores.shape)} for "
+                            f"{len(prompts)} images")
+            return
+        self._send(200, {"scores": out.scores.float().tolist(),
+                         "components": {k: v.float().tolist() for k, v in out.components.items()}})
+
+
+def _handler_class(reward: Reward, lim: Limits) -> type[_Handler]:
+    """A :class:`_Handler` subclass for one server: its own :class:`_Scoring` (lock, semaphores) and socket
+    timeout."""
+    return type("Handler", (_Handler,), {"scoring": _Scoring.build(reward, lim), "timeout": lim.read_timeout_s})
+
+
+def _merged_limits(limits: Limits | None, max_body_mb: float | None, overrides: dict[str, Any]) -> Limits:
+    """``limits`` (default :class:`Limits`) with ``max_body_mb`` and the keyword ``overrides`` of its fields, all
+    checked by :class:`Limits` itself."""
+    lim = limits or Limits()
+    if max_body_mb is not None:
+        overrides["max_body_mb"] = max_body_mb
+    if overrides:
+        lim = Limits(**{**{f.name: getattr(lim, f.name) for f in fields(Limits)}, **overrides})
+    return lim
+
+
 def make_server(reward: Reward, host: str = "127.0.0.1", port: int = 18085, max_body_mb: float | None = None,
                 limits: Limits | None = None, **limit_overrides: Any) -> ThreadingHTTPServer:
     """A ready (not yet serving) server; ``port=0`` picks a free port (``server.server_address[1]``).
@@ -168,139 +349,11 @@ def make_server(reward: Reward, host: str = "127.0.0.1", port: int = 18085, max_
     ``limits`` (or keyword overrides of its fields, e.g. ``max_image_pixels=1 << 20``) bound each request; they are
     checked (:func:`check_limit`) before anything is bound. A bad ``port``, a ``host`` that does not resolve and a
     failed bind (port in use, ...) raise a one-line StepflowError naming ``port`` / ``host``."""
-    lim = limits or Limits()
-    if max_body_mb is not None:
-        limit_overrides["max_body_mb"] = max_body_mb
-    if limit_overrides:
-        lim = Limits(**{**{f.name: getattr(lim, f.name) for f in fields(Limits)}, **limit_overrides})
+    lim = _merged_limits(limits, max_body_mb, limit_overrides)
     server_class = _server_class(host, port)
-    lock = threading.Lock()  # around the reward: never held while reading or decoding
-    decoding = threading.BoundedSemaphore(lim.decode_workers)
-    inflight = threading.BoundedSemaphore(lim.max_inflight)
-    reward_name = getattr(reward, "name", type(reward).__name__)
-
-    class Handler(BaseHTTPRequestHandler):
-        protocol_version = "HTTP/1.1"
-        timeout = lim.read_timeout_s  # socket timeout per read / write
-
-        def log_message(self, fmt: str, *args: Any) -> None:  # route access logs to logging, not stderr
-            log.debug("%s - " + fmt, self.address_string(), *args)
-
-        def _send(self, code: int, obj: Any, close: bool = False) -> None:
-            data = json.dumps(obj).encode()
-            try:
-                self.send_response(code)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                if close:
-                    self.send_header("Connection", "close")
-                    self.close_connection = True
-                self.end_headers()
-                if self.command != "HEAD":
-                    self.wfile.write(data)
-            except OSError:  # the client went away
-                self.close_connection = True
-
-        def _fail(self, code: int, msg: str, close: bool = False) -> None:
-            """A one-line JSON error; ``close`` when the request body was not read (it must not be parsed as the
-            next request)."""
-            if code >= 500:
-                log.warning("%s: %d %s", self.address_string(), code, msg)
-            self._send(code, {"error": one_line(msg)}, close=close)
-
-        def send_error(self, code: int, message: str | None = None, explain: str | None = None) -> None:
-            """http.server's own errors (bad request line, headers too long, unsupported method) as JSON too."""
-            self.close_connection = True
-            if getattr(self, "request_version", None) in (None, "HTTP/0.9"):  # an unparsable request line: answer
-                self.request_version = "HTTP/1.1"  # with a status line and headers all the same
-            msg = message or self.responses.get(code, ("error",))[0]
-            if code == 501:
-                msg = f"method {self.command} not supported; POST / to score, GET /health"
-            self._fail(code, msg, close=True)
-
-        def do_GET(self) -> None:  # noqa: N802
-            if self.path.rstrip("/") in ("/health", ""):
-                self._send(200, {"status": "ok", "reward": reward_name})
-            else:
-                self._fail(404, f"no such path {self.path}; POST / to score, GET /health")
-
-        def do_POST(self) -> None:  # noqa: N802
-            if self.path.rstrip("/") not in ("", "/score"):
-                self._fail(404, f"no such path {self.path}; POST / or /score", close=True)
-                return
-            if not inflight.acquire(blocking=False):
-                self._fail(503, f"busy: {lim.max_inflight} requests in flight (max_inflight); retry later", close=True)
-                return
-            try:
-                self._score()
-            finally:
-                inflight.release()
-
-        def _content_length(self) -> int | None:
-            """The declared body size, or None after answering the error (400 / 411 / 413)."""
-            if self.headers.get("Transfer-Encoding"):
-                self._fail(411, "chunked request bodies are not supported; send Content-Length", close=True)
-                return None
-            values = self.headers.get_all("Content-Length") or []
-            if not values:
-                self._fail(411, f"missing Content-Length; {_EXPECTED}", close=True)
-                return None
-            raw = values[0].strip()
-            if len(set(v.strip() for v in values)) > 1 or not _DIGITS.fullmatch(raw):
-                self._fail(400, f"bad Content-Length {one_line(', '.join(values), 40)!r}: expected one byte count",
-                           close=True)
-                return None
-            n = int(raw)
-            if n == 0:
-                self._fail(400, f"empty body; {_EXPECTED}")
-                return None
-            if n > lim.max_body:
-                self._fail(413, f"body of {n} bytes is over the limit of {lim.max_body} bytes (max_body_mb="
-                                f"{lim.max_body_mb:g}): send smaller batches (reward.request_batch_size)", close=True)
-                return None
-            return n
-
-        def _score(self) -> None:
-            n = self._content_length()
-            if n is None:
-                return
-            try:
-                body = self.rfile.read(n)
-            except TimeoutError:
-                self._fail(408, f"request body not received within {lim.read_timeout_s:g} s", close=True)
-                return
-            if len(body) < n:  # the client closed before sending what it declared: nobody to answer
-                self.close_connection = True
-                return
-            try:
-                with decoding:
-                    images, prompts, meta = _parse_request(body, lim)
-            except _BadRequest as e:
-                self._fail(e.code, str(e))
-                return
-            del body
-            try:
-                with lock:
-                    out = reward(images, prompts, meta)
-            except _REFUSED as e:  # the reward cannot use what the client sent (its metadata, prompts): 422
-                log.info("%s: 422 the reward refused the request: %s: %s", self.address_string(), type(e).__name__,
-                         one_line(e))
-                self._fail(422, f"the reward cannot score this request ({type(e).__name__}: {one_line(e)}); check "
-                                f"the request's prompts and meta (e.g. GenEval metadata 'tag', 'include')")
-                return
-            except Exception as e:  # noqa: BLE001 - the client gets a one-line 500, the server log the traceback
-                log.exception("reward failed")
-                self._fail(500, f"{type(e).__name__}: {one_line(e)}")
-                return
-            if tuple(out.scores.shape) != (len(prompts),):  # the server's fault, not the client's
-                self._fail(500, f"ValueError: reward returned scores of shape {tuple(out.scores.shape)} for "
-                                f"{len(prompts)} images")
-                return
-            self._send(200, {"scores": out.scores.float().tolist(),
-                             "components": {k: v.float().tolist() for k, v in out.components.items()}})
-
+    handler = _handler_class(reward, lim)
     try:
-        server = server_class((host, port), Handler)
+        server = server_class((host, port), handler)
     except OSError as e:
         raise bind_error(e, host, port) from None
     server.daemon_threads = True
