@@ -23,6 +23,11 @@ def test_sample_t_and_loss():
         assert t.min() > 0 and t.max() < 1
     with pytest.raises(ValueError, match="t_sampling"):
         sample_t(3, "cosine")
+    # each kind is its own distribution (closed forms, drawn with the same generator): U(0, 1) and sigmoid(N(m, s))
+    gen = lambda: torch.Generator().manual_seed(3)  # noqa: E731
+    torch.testing.assert_close(sample_t(64, "uniform", generator=gen()), torch.rand(64, generator=gen()))
+    torch.testing.assert_close(sample_t(64, "logit_normal", 0.5, 2.0, generator=gen()),
+                               torch.sigmoid(torch.randn(64, generator=gen()) * 2.0 + 0.5))
 
     class Exact:  # a "policy" that knows x0 and the noise: zero loss
         def __init__(self, x0, noise):
