@@ -22,12 +22,14 @@ combine whole per-step gradients instead (``per_step``), so they cannot run wher
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
+import torch
 from torch import Tensor
 
-from stepflow.coherence import StepSignal
-from stepflow.loss import WEIGHTINGS, gain_variance_weights, guard_released_scale, noise_weights
+from stepflow.coherence import StepSignal, pair_sums
+from stepflow.loss import WEIGHTINGS, gain_variance_weights, guard_released_scale, noise_weights, rms_weights
 from stepflow.sde import SamplerConfig, step_std
 
 __all__ = ["Weighting", "build_weighting"]
@@ -54,6 +56,15 @@ class Weighting:
         """A factor on the GRPO policy loss of the step from ``t`` to ``t_next`` (0-d tensors), applied before the KL
         term is added (``guard_released``: ``1/Δt``); None = 1."""
         return None
+
+    def combine(self, learner: Any, terms: Sequence[int], rows: Tensor, n_global: float, mbs: list[Tensor],
+                groups: Tensor | None, backward: Callable[[int, list[Tensor]], None], params: list, stats: dict,
+                measure: bool) -> None:
+        """``per_step`` strategies: one optimizer step's gradient (into the ``params``' .grad) from each term's own
+        gradient; ``backward(k, micro_batches)`` back-propagates term k over micro-batches of ``rows`` (this rank's
+        rows of the step, split in ``mbs``; ``n_global``: the step's rows on every rank). ``stats``: the update's
+        per-optimizer-step diagnostics; ``measure``: also the terms of weight 0 (``auto``)."""
+        raise NotImplementedError(f"train.weighting={self.name} weighs the terms' losses; it combines no gradients")
 
     def state_dict(self) -> dict | None:
         return None
@@ -111,12 +122,85 @@ class _GuardReleased(_Guard):
         return guard_released_scale(t, t_next)
 
 
-class _GradRms(Weighting):
-    name, per_step = "grad_rms", True
+class _PerStep(Weighting):
+    """``grad_rms`` and ``auto``: each trained step's gradient computed alone, then combined (:meth:`combine`)."""
+
+    per_step = True
+
+    def combine(self, learner, terms, rows, n_global, mbs, groups, backward, params, stats, measure) -> None:
+        """Each trained step's gradient separately, summed from its parts (whole prompt groups; one group: two
+        halves), then combined into the parameters' .grad: ``train.weighting=grad_rms``: ``Σ_k (rms/|g_k|)·g_k / S``;
+        ``train.weighting=auto``: ``Σ_k w_k·(rms/|g_k|)·g_k`` with the signal weights w (sum 1) of
+        :class:`stepflow.coherence.StepSignal`, to which every step computed adds a measurement from its parts' mean
+        gradients (sums over ranks). Steps of weight 0 are computed only when ``measure``. Under DDP the per-step
+        gradients are summed over ranks first, so the norms and the combination are those of the global gradients.
+        ``groups``: (B_local,) the rows' group ids (None: one group)."""
+        parts, sizes = _parts(rows, mbs, groups)
+        sig = self.signal
+        if sig is not None:
+            w_all = sig.weights()
+            todo = [k for k in terms if measure or float(w_all[sig.steps.index(k)]) > 0]
+        else:
+            todo = list(terms)
+        n_params = sum(p.numel() for p in params)
+        grads, sums = [], []
+        for k in todo:
+            vecs = []
+            for part in parts:
+                for p in params:
+                    p.grad = None
+                backward(k, part)
+                vecs.append(_grad_vector(params))
+            grads.append(sum(vecs) if vecs else torch.zeros(n_params))  # a DDP rank may hold no rows of a chunk
+            if sig is not None:  # part means m_i = part_i · n_global / n_i: their pair sums
+                m = [v.double() * (n_global / n) for v, n in zip(vecs, sizes)]
+                sums.append(pair_sums(torch.stack(m)) if m else torch.zeros(4, dtype=torch.float64))
+        if sig is not None and todo:  # one reduction over ranks for every step's sums
+            sig.add(todo, [StepSignal.ratio(*row) for row in learner.dist.all_sum_tensor(torch.stack(sums)).tolist()])
+        manual = learner.dist.world > 1 and learner.dist.manual_grad_sync
+        if manual and grads:  # every rank combines the global per-step gradients (norms of the sum over ranks)
+            grads = list(learner.dist.all_sum_tensor(torch.stack(grads)).unbind(0))
+        norms = torch.stack([g.norm() for g in grads]).double() if grads else torch.zeros(0)
+        coef = rms_weights(norms).double()
+        if sig is not None:
+            w_all = sig.weights()  # after this measurement
+            coef = coef * torch.tensor([float(w_all[sig.steps.index(k)]) for k in todo], dtype=torch.float64)
+            stats.setdefault("auto_steps", []).append(torch.tensor(float((coef > 0).sum())))
+        else:
+            coef = coef / max(1, len(todo))
+        total = sum(c * g for c, g in zip(coef.tolist(), grads)) if grads else None
+        if manual and total is not None:  # the caller's all_reduce_grads sums the ranks' (identical) combinations
+            total = total / learner.dist.world
+        off = 0
+        for p in params:
+            n_p = p.numel()
+            p.grad = None if total is None else total[off:off + n_p].view_as(p).to(p.dtype).clone()
+            off += n_p
 
 
-class _Auto(Weighting):
-    name, per_step = "auto", True
+def _parts(rows: Tensor, mbs: list[Tensor], groups: Tensor | None) -> tuple[list[list[Tensor]], list[int]]:
+    """The independent parts of an optimizer step's ``rows`` (whole prompt groups; one group only: two halves by
+    position), each as its micro-batches' rows of it (``mbs`` split by part), and their sizes."""
+    gid = groups[rows] if groups is not None else torch.zeros(len(rows), dtype=torch.long)
+    if len(torch.unique(gid)) < 2:  # one group only: halves by position
+        gid = (torch.arange(len(rows)) >= (len(rows) + 1) // 2).long()
+    part_of = {int(r): int(g) for r, g in zip(rows, gid)}
+    ids = sorted(set(part_of.values()))
+    parts = [[mb[torch.tensor([part_of[int(r)] == g for r in mb])] for mb in mbs] for g in ids]
+    parts = [[mb for mb in p if len(mb)] for p in parts]
+    return parts, [sum(len(mb) for mb in p) for p in parts]
+
+
+def _grad_vector(params: list) -> Tensor:
+    return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).flatten() for p in params])
+
+
+class _GradRms(_PerStep):
+    name = "grad_rms"
+
+
+class _Auto(_PerStep):
+    name = "auto"
 
     def __init__(self, steps: Sequence[int], warmup: int, every: int):
         self.signal = StepSignal(steps, warmup)

@@ -141,20 +141,21 @@ def test_tempflow_branches_advantages_and_gradient_are_the_released_ones(tmp_pat
     step only, and the optimizer step's gradient is that of mean_k w_k · mean_rows max(−Aρ, −A clip(ρ, 1 ± ϵ)),
     w_k = σ_k√Δt_k / mean over the trained steps (train_sd3_pr.py:954-955, normalised)."""
     import stepflow.algorithm as alg
+    import stepflow.core.update as upd
 
     m = _module(tmp_path, *TEMPFLOW, "train.micro_batch_size=5")
     lr = m.learner
     seen = _capture_update(monkeypatch)
     grads = []
-    real_step = alg.clip_and_step
+    real_step = upd.clip_and_step
 
     def capture(learner, ps, max_norm):
         grads.append(torch.cat([p.grad.flatten().clone() for p in ps]))
         return None  # no optimizer step: the weights stay those of the rollout
 
-    monkeypatch.setattr(alg, "clip_and_step", capture)
+    monkeypatch.setattr(upd, "clip_and_step", capture)
     res = alg.iteration(lr, 0)
-    monkeypatch.setattr(alg, "clip_and_step", real_step)
+    monkeypatch.setattr(upd, "clip_and_step", real_step)
     plan = lr.plan.plan(0)
     steps = [0, 1, 2]  # int(4 · 0.75) of the smoke world's 4 steps
     hand = _hand_branches(m, plan, 2, steps)
@@ -220,22 +221,23 @@ def test_g2rpo_advantages_sum_granularities_and_each_step_takes_its_own_optimize
     step: step k's gradient is that of mean over its rows of the clipped surrogate at the weights the previous
     step left (the loop over t_idx calling optimizer.step())."""
     import stepflow.algorithm as alg
+    import stepflow.core.update as upd
 
     m = _module(tmp_path, *G2RPO, "train.lr=0.05")
     lr = m.learner
     seen = _capture_update(monkeypatch)
     params = list(lr.policy.trainable_parameters())
     record = []
-    real_step = alg.clip_and_step
+    real_step = upd.clip_and_step
 
     def capture(learner, ps, max_norm):
         record.append(([p.detach().clone() for p in ps], torch.cat([p.grad.flatten().clone() for p in ps])))
         return real_step(learner, ps, max_norm)
 
-    monkeypatch.setattr(alg, "clip_and_step", capture)
+    monkeypatch.setattr(upd, "clip_and_step", capture)
     start = [p.detach().clone() for p in params]
     alg.iteration(lr, 0)
-    monkeypatch.setattr(alg, "clip_and_step", real_step)
+    monkeypatch.setattr(upd, "clip_and_step", real_step)
     assert len(record) == 2  # one per trained step
     # the hand advantages need the rollout weights
     with torch.no_grad():

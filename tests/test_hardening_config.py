@@ -194,7 +194,7 @@ def test_a_refused_second_run_leaves_the_running_runs_record_untouched(tmp_path)
 
 # ------------------------------------------------------------------------------------------------ non-finite update
 def test_a_non_finite_gradient_is_never_stepped_into_the_weights():
-    from stepflow.algorithm import clip_and_step
+    from stepflow.core.update import clip_and_step
     from stepflow.errors import NonFiniteUpdate
 
     w = torch.nn.Parameter(torch.ones(3))
@@ -212,11 +212,11 @@ def test_a_non_finite_gradient_is_never_stepped_into_the_weights():
 def test_a_run_whose_loss_turns_non_finite_stops_before_saving_it(tmp_path, monkeypatch):
     """From the second optimizer step on the loss is NaN (as an fp16 overflow makes it): the run stops with one line,
     last.ckpt holds the last finished iteration with finite weights, and no adapter is written."""
-    import stepflow.algorithm as algorithm
+    import stepflow.core.update as core_update  # the update's own module: its step_loss is the one it calls
     from stepflow.errors import NonFiniteUpdate
     from stepflow.train import run
 
-    real = algorithm.step_loss
+    real = core_update.step_loss
 
     def poisoned(lr, *args, **kwargs):
         out = real(lr, *args, **kwargs)
@@ -224,7 +224,7 @@ def test_a_run_whose_loss_turns_non_finite_stops_before_saving_it(tmp_path, monk
             out["loss"] = out["loss"] * float("nan")
         return out
 
-    monkeypatch.setattr(algorithm, "step_loss", poisoned)
+    monkeypatch.setattr(core_update, "step_loss", poisoned)
     with pytest.raises(NonFiniteUpdate, match=r"^train: the gradient of optimizer step 2 is not finite"):
         run(compose_config("train", ["experiment=smoke", "loop.iterations=6", "eval.max_prompts=2",
                                      "train.drop_zero_adv=false"]), tmp_path)  # a step every iteration

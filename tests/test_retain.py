@@ -50,22 +50,23 @@ def _run(tmp_path, overrides, iterations=1):
     """``iterations`` iterations of a freshly built module: (the gradient of every optimizer step, the metrics of
     every iteration)."""
     import stepflow.algorithm as alg
+    import stepflow.core.update as upd
 
     m = _module(tmp_path, *overrides)
     grads, metrics = [], []
-    real = alg.clip_and_step
+    real = upd.clip_and_step
 
     def capture(learner, params, max_norm):
         grads.append(torch.cat([p.grad.flatten().clone() for p in params]))
         return real(learner, params, max_norm)
 
-    alg.clip_and_step = capture
+    upd.clip_and_step = capture
     try:
         for it in range(iterations):
             res = alg.iteration(m.learner, it)
             metrics.append(alg.iteration_metrics(res, 1))
     finally:
-        alg.clip_and_step = real
+        upd.clip_and_step = real
     return grads, metrics
 
 
@@ -76,17 +77,18 @@ def _run_pair(tmp_path, overrides, iterations=3):
     starts from the same bits and a difference is that iteration's own: rounding differences carried over would
     otherwise grow with the iterations (the KL's μ_θ − μ_ref, which cancels 4-5 digits, by 1e-4 at iteration 2)."""
     import stepflow.algorithm as alg
+    import stepflow.core.update as upd
 
     pair = [_module(tmp_path / "off", *overrides), _module(tmp_path / "on", *overrides, "loop.retain_graph=true")]
     grads = {id(m.learner): [] for m in pair}
     metrics = {id(m.learner): [] for m in pair}
-    real = alg.clip_and_step
+    real = upd.clip_and_step
 
     def capture(learner, params, max_norm):
         grads[id(learner)].append(torch.cat([p.grad.flatten().clone() for p in params]))
         return real(learner, params, max_norm)
 
-    alg.clip_and_step = capture
+    upd.clip_and_step = capture
     try:
         for it in range(iterations):
             for m in pair:
@@ -98,7 +100,7 @@ def _run_pair(tmp_path, overrides, iterations=3):
                     a.copy_(b)
             on.learner.optimizer.load_state_dict(off.learner.optimizer.state_dict())
     finally:
-        alg.clip_and_step = real
+        upd.clip_and_step = real
     return [(grads[id(m.learner)], metrics[id(m.learner)]) for m in pair]
 
 

@@ -1,9 +1,16 @@
 """The policy update of one iteration (docs/method.md §10): the objective's terms over the trained rows, the
-optimizer steps, and their diagnostics. :func:`stepflow.algorithm.iteration` calls :func:`update` once per iteration."""
+optimizer steps, and their diagnostics. :func:`stepflow.algorithm.iteration` calls :func:`update` once per iteration.
+
+The update is resolved first (:func:`plan_update`: a :class:`TermPlan`, which rows train in which optimizer steps,
+which terms of which rows, at which scale), then run as one loop over its optimizer steps (:func:`optimizer_steps`,
+each a list of :class:`Work` items: one term over its micro-batches). ``train.update_per_step`` is more optimizer
+steps in the plan; the per-step weightings (``train.weighting=grad_rms | auto``) combine each step's gradient
+themselves (:meth:`stepflow.weighting.Weighting.combine`)."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -16,20 +23,127 @@ from stepflow.rollout import Trajectory
 if TYPE_CHECKING:
     from stepflow.algorithm import Learner
 
-__all__ = ["update", "step_loss", "step_gradients", "subset_steps", "steps_per_sample", "clip_and_step"]
+__all__ = ["update", "step_loss", "step_gradients", "subset_steps", "steps_per_sample", "clip_and_step", "TermPlan",
+           "OptStep", "Work", "plan_update", "optimizer_steps", "lockstep_pads"]
 
 
 def update(learner: Learner, traj: Trajectory, adv: Tensor, x0_hat: Tensor | None, it: int,
            steps: list[int] | None = None, weights: Tensor | None = None, groups: Tensor | None = None,
            measure: bool = False, seeds: Tensor | None = None, mask: Tensor | None = None) -> dict[str, float]:
-    """Policy update over the objective's terms (the GRPO family: the trained ``steps``, default the objective's
+    """Policy update over the objective's terms: the plan of :func:`plan_update` (``steps``, ``weights``, ``seeds``,
+    ``mask``: see there), then one loop over its optimizer steps (:func:`optimizer_steps`), each accumulating its
+    work items (a term over micro-batches; each micro-batch's loss, :func:`step_loss`, a mean over its rows, weighted
+    by its share of the step's rows on every rank times the item's scale) and stepping (:func:`clip_and_step`).
+    ``train.weighting`` = grad_rms / auto combine the steps' gradients instead
+    (:meth:`stepflow.weighting.Weighting.combine`); ``measure``: add this update's gradients to the auto-step signal
+    estimate (``groups``: (B_local,) group ids, to split the batch into independent halves). adv: (B_local, T).
+    ``loop.retain_graph``: the terms' velocities are the rollout's, with their graphs; their losses are summed and
+    back-propagated once per optimizer step (a graph is freed by its first backward). Returns diagnostics (means
+    over terms)."""
+    plan = plan_update(learner, traj, adv, it, steps, weights, seeds, mask)
+    pol, dist = learner.policy, learner.dist
+    times, params = traj.times.to(pol.device), list(pol.trainable_parameters())
+    stats = _Stats()  # row-weighted sums, detached 0-d tensors: no host sync until the end of the update
+    pending: list[Tensor] | None = [] if traj.kept is not None else None  # loop.retain_graph: the weighted losses
+    pol.train()
+
+    def run(item: Work) -> None:  # one term over its micro-batches, then its lockstep pads (loss weight 0)
+        for i, (mb, real) in enumerate(item.batches):
+            out = step_loss(learner, traj, adv, item.k, mb, times, x0_hat)
+            # each term is a mean over its rows: weighted, the step's loss is the mean over all rows of the optimizer
+            # step on all ranks (gradients are then summed over ranks: grad_scale undoes a strategy's mean)
+            w = item.scale * len(mb) / item.n_global * dist.grad_scale if real else 0.0
+            dist.boundary(item.last and i == len(item.batches) - 1)  # DeepSpeed: reduce and step after the last
+            if pending is not None:
+                pending.append(out.pop("loss") * w)
+            else:
+                learner.backward(out.pop("loss") * w)
+            if real:
+                stats.add_terms(out, len(mb), item.k)
+
+    for step in optimizer_steps(plan, dist):
+        learner.optimizer.zero_grad(set_to_none=True)
+        if step.work is None:  # train.weighting=grad_rms / auto: every step's gradient apart, then combined
+            learner.weighting.combine(learner, plan.terms, step.rows, step.n_global, step.mbs, groups,
+                                      lambda k, mbs, s=step: run(s.item(k, mbs)), params, stats.plain, measure)
+        else:
+            with dist.accumulating():
+                for item in step.work:
+                    run(item)
+        if pending:  # the kept graphs: one backward of every term's weighted loss
+            learner.backward(torch.stack(pending).sum())
+            pending.clear()
+        dist.all_reduce_grads(params)
+        norm = clip_and_step(learner, params, learner.train.max_grad_norm)
+        if norm is not None:
+            stats.plain.setdefault("grad_norm", []).append(norm)
+        learner.opt_steps += 1
+        if learner.on_optimizer_step is not None:
+            learner.on_optimizer_step(learner.opt_steps - 1)
+    pol.eval()
+    return _diagnostics(learner, plan, stats)
+
+
+@dataclass
+class TermPlan:
+    """One update, resolved before it runs (:func:`plan_update`); :func:`optimizer_steps` makes its optimizer steps."""
+
+    steps: list[int]  #: the trained steps (the forward-process objectives: the candidate times)
+    rows: Tensor  #: (N,) this rank's trained rows (zero-advantage rows dropped), shuffled
+    chunks: list[Tensor]  #: each optimizer step's rows (``per_term``: the rows of as many steps as terms)
+    terms: list[int]  #: the objective's terms (the GRPO family: the trained steps)
+    subset: Tensor | None  #: (B_local, S) bool, row i trains term j (step_subset / mask); None: every row every term
+    per_row: int  #: how many terms each row trains
+    weights: Tensor | None  #: (S,) the terms' loss weights (mean 1); None: all 1
+    micro_batch: int  #: rows per forward / backward pass
+    per_term: bool = False  #: ``train.update_per_step``: one optimizer step per term of each chunk
+    combine: bool = False  #: the weighting combines per-step gradients (``Weighting.per_step``)
+
+    def weight(self, j: int) -> float:
+        return 1.0 if self.weights is None else float(self.weights[j])
+
+
+@dataclass
+class Work:
+    """One term of an optimizer step: term ``k`` over ``batches`` (micro-batch, real): this rank's micro-batches,
+    then its lockstep pads (:func:`lockstep_pads`; this rank's first row at loss weight 0: no gradient, no statistic).
+    A real micro-batch's loss (a mean over its rows) weighs ``scale·len(mb)/n_global`` (``n_global``: the rows of
+    the optimizer step, or of the term's own step, on every rank); ``last``: its last backward ends the optimizer
+    step (:meth:`stepflow.dist.Dist.boundary`)."""
+
+    k: int
+    batches: list[tuple[Tensor, bool]]
+    scale: float
+    n_global: float
+    last: bool = False
+
+
+@dataclass
+class OptStep:
+    """One optimizer step: its rows on this rank and on every rank, their micro-batches and lockstep pads, and its
+    work items (None: the weighting combines per-step gradients, running the terms over parts by :meth:`item`)."""
+
+    rows: Tensor
+    n_global: float
+    mbs: list[Tensor]
+    pads: int
+    work: list[Work] | None = None
+
+    def item(self, k: int, mbs: list[Tensor], scale: float = 1.0, last: bool = False) -> Work:
+        """Term ``k`` over ``mbs`` (this step's rows or a part of them) and this step's pads."""
+        return Work(k, _batches(mbs, self.pads), scale, self.n_global, last)
+
+
+def plan_update(learner: Learner, traj: Trajectory, adv: Tensor, it: int, steps: list[int] | None = None,
+                weights: Tensor | None = None, seeds: Tensor | None = None, mask: Tensor | None = None) -> TermPlan:
+    """The update of iteration ``it`` resolved (:func:`update`): the trained ``steps`` (default the objective's
     :meth:`~stepflow.objectives.base.Objective.trained_steps`; the forward-process objectives: K training times per
-    row drawn among them): ``updates_per_iter`` optimizer steps over shuffled rows, each accumulating (terms ×
-    micro-batches), term j's loss weighted by ``weights[j]`` (S,) (mean 1; default 1). ``train.weighting`` =
-    grad_rms / auto combine the steps' gradients instead (:func:`_per_step_update`); ``measure``: add this update's
-    gradients to the auto-step signal estimate (``groups``: (B_local,) group ids, to split the batch into independent
-    halves). adv: (B_local, T); ``seeds``: (B_local,) the rows' noise seeds (what the forward-process objectives draw
-    their times and noise from, and ``train.step_subset`` each row's steps; default the row indices).
+    row drawn among them, by :meth:`~stepflow.objectives.base.Objective.begin_update`); the rows kept
+    (``train.drop_zero_adv``: not those whose advantage is 0 at every step) shuffled into ``updates_per_iter``
+    chunks, one optimizer step each (several ranks: as many on every rank, a rank may hold no rows of one); the
+    terms, term j's loss weighted by ``weights[j]`` (S,) (mean 1; default 1). ``seeds``: (B_local,) the rows' noise
+    seeds (what the forward-process objectives draw their times and noise from, and ``train.step_subset`` each
+    row's steps; default the row indices).
 
     ``train.step_subset=random_per_sample`` (DanceGRPO): row i trains only its own ``int(S·train.step_fraction)`` of
     the S terms (:func:`subset_steps`); term j runs over the chunk's rows that drew it, and each (row, term) pair's
@@ -40,9 +154,8 @@ def update(learner: Learner, traj: Trajectory, adv: Tensor, x0_hat: Tensor | Non
     step only); every row must train the same number of terms.
 
     ``train.update_per_step`` (Granular-GRPO): one optimizer step per term, each over the chunk's rows that train
-    it (its loss the mean over them, times ``weights[j]``), in the terms' order. Returns diagnostics (means over
-    terms)."""
-    o, pol, dist, obj = learner.train, learner.policy, learner.dist, learner.objective
+    it (its loss the mean over them, times ``weights[j]``), in the terms' order."""
+    o, dist, obj = learner.train, learner.dist, learner.objective
     if steps is None:
         steps = obj.trained_steps(o, learner.sampler, traj.times, learner.window_steps(it))
     keep = (adv.abs().sum(1) > 0 if (o.drop_zero_adv and obj.drops_zero_advantage)
@@ -53,21 +166,40 @@ def update(learner: Learner, traj: Trajectory, adv: Tensor, x0_hat: Tensor | Non
         chunks = list(rows.tensor_split(o.updates_per_iter))
     else:
         chunks = [c for c in rows.chunk(o.updates_per_iter) if len(c)] if len(rows) else []
+    seeds = torch.arange(traj.batch_size) if seeds is None else seeds
     if not steps:  # e.g. the ODE sampler: no step has a density, nothing to train
         chunks = []
     else:
-        obj.begin_update(learner, traj, it, torch.arange(traj.batch_size) if seeds is None else seeds, steps)
-    todo = obj.terms(steps)
+        obj.begin_update(learner, traj, it, seeds, steps)
+    terms = obj.terms(steps)
+    subset, per_row = _row_terms(learner, traj.batch_size, terms, seeds, mask)
+    if per_row == 0:  # int(S·step_fraction) = 0: no sample trains a step (train.py refuses such settings)
+        chunks = []
+    # loop.retain_graph: the rollout's graphs serve one optimizer step (a graph is freed by its first backward)
+    if traj.kept is not None and (len(chunks) > 1 or o.update_per_step or learner.weighting.per_step):
+        from stepflow.retain import why_not_at_runtime
+
+        raise ValueError(f"loop.retain_graph: the rollout's graphs serve one optimizer step over every term; "
+                         f"{why_not_at_runtime(learner) or 'this update takes several'}")
+    return TermPlan(steps, rows, chunks, terms, subset, per_row, weights, o.micro_batch_size,
+                    per_term=bool(o.update_per_step), combine=bool(learner.weighting.per_step))
+
+
+def _row_terms(learner: Learner, batch: int, terms: list[int], seeds: Tensor,
+               mask: Tensor | None) -> tuple[Tensor | None, int]:
+    """Which terms each row trains: (the (B_local, S) bool subset, or None for every row every term; the count per
+    row). ``train.step_subset`` draws it from the rows' ``seeds``; a ``mask`` is given (a rank without rows learns
+    its count from the others: one collective). Refuses what the settings cannot combine."""
+    o, dist = learner.train, learner.dist
     # train.step_subset (DanceGRPO): each row trains its own int(S·step_fraction) of the S terms, drawn from its seed
-    subset = (subset_steps(len(todo), torch.arange(traj.batch_size) if seeds is None else seeds, o.step_fraction)
-              if o.step_subset is not None and todo else None)  # (B_local, S) bool, or None: every row every term
+    subset = subset_steps(len(terms), seeds, o.step_fraction) if o.step_subset is not None and terms else None
     if mask is not None:  # given by the rollout (branch rows), not drawn
         if subset is not None:
             raise ValueError("train.step_subset: the branch rollouts give each row its own step already; set "
                              "train.step_subset=null")
         subset = torch.as_tensor(mask, dtype=torch.bool)
-        if subset.shape != (traj.batch_size, len(todo)):
-            raise ValueError(f"mask: expected shape ({traj.batch_size}, {len(todo)}), got {tuple(subset.shape)}")
+        if subset.shape != (batch, len(terms)):
+            raise ValueError(f"mask: expected shape ({batch}, {len(terms)}), got {tuple(subset.shape)}")
         counts = subset.sum(1)
         if len(counts) and bool((counts != counts[0]).any()):
             raise ValueError("mask: every row must train the same number of terms")
@@ -78,105 +210,84 @@ def update(learner: Learner, traj: Trajectory, adv: Tensor, x0_hat: Tensor | Non
         raise ValueError(f"train.update_per_step: one optimizer step per trained step, which train.weighting="
                          f"{o.weighting} (a combination of every step's gradient) cannot; use another train.weighting")
     if mask is not None:  # a rank without rows learns the count from the others
-        per_row = int(dist.all_max(int(subset[0].sum()) if len(subset) else 0))
-    elif subset is not None:
-        per_row = steps_per_sample(len(todo), o.step_fraction)
-    else:
-        per_row = len(todo)
-    if per_row == 0:  # int(S·step_fraction) = 0: no sample trains a step (train.py refuses such settings)
-        chunks = []
-    times = traj.times.to(pol.device)
-    params = list(pol.trainable_parameters())
-    stats = _Stats()  # row-weighted sums, detached 0-d tensors: no host sync until the end of the update
-    # loop.retain_graph: the terms' velocities are the rollout's, with their graphs; their losses are summed and
-    # back-propagated once per optimizer step (a graph is freed by its first backward)
-    pending: list[Tensor] | None = [] if traj.kept is not None else None
-    if pending is not None and (len(chunks) > 1 or o.update_per_step or learner.weighting.per_step):
-        from stepflow.retain import why_not_at_runtime
+        return subset, int(dist.all_max(int(subset[0].sum()) if len(subset) else 0))
+    return subset, steps_per_sample(len(terms), o.step_fraction) if subset is not None else len(terms)
 
-        raise ValueError(f"loop.retain_graph: the rollout's graphs serve one optimizer step over every term; "
-                         f"{why_not_at_runtime(learner) or 'this update takes several'}")
-    pol.train()
 
-    def optimizer_step() -> None:
-        if pending:  # the kept graphs: one backward of every term's weighted loss
-            learner.backward(torch.stack(pending).sum())
-            pending.clear()
-        dist.all_reduce_grads(params)
-        norm = clip_and_step(learner, params, o.max_grad_norm)
-        if norm is not None:
-            stats.plain.setdefault("grad_norm", []).append(norm)
-        learner.opt_steps += 1
-        if learner.on_optimizer_step is not None:
-            learner.on_optimizer_step(learner.opt_steps - 1)
+def optimizer_steps(plan: TermPlan, dist: Dist) -> Iterator[OptStep]:
+    """The plan's optimizer steps in order, each resolved just before it runs: its row counts and lockstep pads are
+    collectives, which every rank makes in the same order between the previous step and this one. A chunk that no
+    rank holds a row of takes no step. Each chunk's step holds, by the plan:
 
-    for chunk in chunks:
+    - every term over the chunk's micro-batches, scale ``weights[j]/S`` (the step's loss: the mean over the terms);
+    - ``subset``: term j over the chunk's rows that train it, padded to the rank with most of them, scale
+      ``weights[j]/per_row``; the last backward any rank makes ends the step (even when no row drew the last term);
+    - ``per_term``: one step per term instead, over the chunk's rows that train it (none if no rank holds one),
+      scale ``weights[j]`` over those rows;
+    - ``combine``: no items: the weighting runs each term over parts of the chunk (:meth:`OptStep.item`, scale 1)."""
+    for chunk in plan.chunks:
         n_global = dist.all_sum(len(chunk))
         if n_global == 0:
             continue
-        learner.optimizer.zero_grad(set_to_none=True)
-        mbs = [mb for mb in chunk.split(o.micro_batch_size) if len(mb)]  # a rank may hold none of a chunk's rows
-        # FSDP2 / DeepSpeed: every forward and backward is a collective, so every rank runs as many micro-batches as
-        # the rank with most; the extra ones are this rank's first row at loss weight 0 (no gradient, no statistic)
-        pads = [torch.zeros(1, dtype=torch.long)] * (int(dist.all_max(len(mbs))) - len(mbs) if dist.lockstep else 0)
-
-        def terms(k: int, rows_list, scale: float, last: bool = False, n_global: float = n_global,
-                  pads: list = pads) -> None:  # step k, backward
-            batches = [(mb, True) for mb in rows_list] + [(mb, False) for mb in pads]
-            for i, (mb, real) in enumerate(batches):
-                out = step_loss(learner, traj, adv, k, mb, times, x0_hat)
-                # each term is a mean over its rows: weighted, the step's loss is the mean over all rows of the
-                # chunk on all ranks (gradients are then summed over ranks: grad_scale undoes a strategy's mean),
-                # averaged over the steps
-                w = scale * len(mb) / n_global * dist.grad_scale if real else 0.0
-                dist.boundary(last and i == len(batches) - 1)  # DeepSpeed: reduce and step after the chunk's last
-                if pending is not None:
-                    pending.append(out.pop("loss") * w)
-                else:
-                    learner.backward(out.pop("loss") * w)
-                if real:
-                    stats.add_terms(out, len(mb), k)
-
-        if o.update_per_step:  # Granular-GRPO: an optimizer step per term, each the mean over the rows that train it
-            for j, k in enumerate(todo):
-                rows_j = chunk if subset is None else chunk[subset[chunk, j]]
-                n_j = dist.all_sum(len(rows_j))
+        step = _opt_step(dist, chunk, n_global, plan.micro_batch)
+        terms = list(enumerate(plan.terms))
+        if plan.per_term:  # Granular-GRPO: an optimizer step per term, each the mean over the rows that train it
+            for j, k in terms:
+                rows = chunk if plan.subset is None else chunk[plan.subset[chunk, j]]
+                n_j = dist.all_sum(len(rows))
                 if n_j == 0:  # no row of any rank trains this term: no step
                     continue
-                learner.optimizer.zero_grad(set_to_none=True)
-                mbs_j = [mb for mb in rows_j.split(o.micro_batch_size) if len(mb)]
-                pad = [torch.zeros(1, dtype=torch.long)] * (int(dist.all_max(len(mbs_j))) - len(mbs_j)
-                                                            if dist.lockstep else 0)
-                with dist.accumulating():
-                    terms(k, mbs_j, 1.0 if weights is None else float(weights[j]), last=True, n_global=n_j, pads=pad)
-                optimizer_step()
+                one = _opt_step(dist, rows, n_j, plan.micro_batch)
+                one.work = [one.item(k, one.mbs, plan.weight(j), last=True)]
+                yield one
             continue
-        if learner.weighting.per_step:
-            _per_step_update(learner, todo, chunk, n_global, mbs, groups, terms, params, stats.plain, measure)
-        elif subset is not None:  # term j over the chunk's rows that drew it; each (row, term) pair 1/(N·per_row)
-            mine = [[mb for mb in chunk[subset[chunk, j]].split(o.micro_batch_size) if len(mb)]
-                    for j in range(len(todo))]
-            most = torch.tensor([len(m) for m in mine], dtype=torch.float64)
-            most = dist.all_max_tensor(most) if dist.lockstep else most  # one collective for every term's count
-            last_j = max((j for j in range(len(todo)) if most[j] > 0), default=-1)
-            with dist.accumulating():
-                for j, k in enumerate(todo):
-                    pad = [torch.zeros(1, dtype=torch.long)] * (int(most[j]) - len(mine[j]) if dist.lockstep else 0)
-                    terms(k, mine[j], (1.0 if weights is None else float(weights[j])) / per_row, last=j == last_j,
-                          pads=pad)
-        else:
-            with dist.accumulating():
-                for j, k in enumerate(todo):
-                    terms(k, mbs, (1.0 if weights is None else float(weights[j])) / len(todo),
-                          last=j == len(todo) - 1)
-        optimizer_step()
-    pol.eval()
+        if plan.subset is not None:  # term j over the chunk's rows that drew it; each (row, term) pair 1/(N·per_row)
+            mine = [_micro_batches(chunk[plan.subset[chunk, j]], plan.micro_batch) for j, _ in terms]
+            pads = lockstep_pads(dist, [len(m) for m in mine])  # one collective for every term's count
+            last = max((j for j, _ in terms if len(mine[j]) + pads[j] > 0), default=-1)
+            step.work = [Work(k, _batches(mine[j], pads[j]), plan.weight(j) / plan.per_row, n_global, j == last)
+                         for j, k in terms]
+        elif not plan.combine:
+            step.work = [step.item(k, step.mbs, plan.weight(j) / len(terms), j == len(terms) - 1) for j, k in terms]
+        yield step
+
+
+def lockstep_pads(dist: Dist, counts: int | list[int]) -> int | list[int]:
+    """FSDP2 / DeepSpeed (:attr:`~stepflow.dist.Dist.lockstep`): every forward and backward is a collective, so every
+    rank runs as many micro-batches as the rank with most; how many extra ones this rank runs for ``counts`` (its
+    micro-batches of one step: an int, one ``all_max``; of every term: a list, one ``all_max_tensor``). 0 otherwise
+    (no collective)."""
+    if isinstance(counts, int):
+        return int(dist.all_max(counts)) - counts if dist.lockstep else 0
+    if not dist.lockstep:
+        return [0] * len(counts)
+    most = dist.all_max_tensor(torch.tensor(counts, dtype=torch.float64))
+    return [int(m) - c for m, c in zip(most, counts)]
+
+
+def _opt_step(dist: Dist, rows: Tensor, n_global: float, micro_batch: int) -> OptStep:
+    mbs = _micro_batches(rows, micro_batch)
+    return OptStep(rows, n_global, mbs, lockstep_pads(dist, len(mbs)))
+
+
+def _micro_batches(rows: Tensor, size: int) -> list[Tensor]:
+    return [mb for mb in rows.split(size) if len(mb)]  # a rank may hold none of a chunk's rows
+
+
+def _batches(mbs: list[Tensor], pads: int) -> list[tuple[Tensor, bool]]:
+    """(micro-batch, real): ``mbs``, then ``pads`` zero-weight ones of this rank's first row."""
+    return [(mb, True) for mb in mbs] + [(torch.zeros(1, dtype=torch.long), False)] * pads
+
+
+def _diagnostics(learner: Learner, plan: TermPlan, stats: _Stats) -> dict[str, float]:
+    dist = learner.dist
     res = stats.reduce(dist)
-    res["train/samples_trained"], res["train/steps_trained"] = dist.all_sum(len(rows)), float(len(todo) if steps else 0)
-    if subset is not None:
-        res["train/steps_per_sample"] = float(per_row)
-    if weights is not None:
-        res.update({f"train/weight_step{k}": float(w) for k, w in zip(steps, weights)})
+    res["train/samples_trained"] = dist.all_sum(len(plan.rows))
+    res["train/steps_trained"] = float(len(plan.terms) if plan.steps else 0)
+    if plan.subset is not None:
+        res["train/steps_per_sample"] = float(plan.per_row)
+    if plan.weights is not None:
+        res.update({f"train/weight_step{k}": float(w) for k, w in zip(plan.steps, plan.weights)})
     if learner.signal is not None:
         res.update({f"train/signal_step{k}": float(r) for k, r in zip(learner.signal.steps, learner.signal.rho())})
         res.update({f"train/weight_step{k}": float(w) for k, w in zip(learner.signal.steps, learner.signal.weights())})
@@ -277,72 +388,6 @@ def _check_finite_grad(learner: Learner, norm: Tensor, taken: bool) -> None:
         f"train: the gradient of optimizer step {learner.opt_steps + 1} is not finite (norm {float(norm)}), so the run "
         f"stopped: {when}, and checkpoints/last.ckpt holds the last finished iteration; lower train.lr, check the "
         "reward (train/nonfinite_rewards) or clip harder (train.max_grad_norm)")
-
-
-def _grad_vector(params: list) -> Tensor:
-    return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).flatten() for p in params])
-
-
-def _per_step_update(learner: Learner, steps: list[int], chunk: Tensor, n_global: float, mbs: list[Tensor],
-                     groups: Tensor | None, terms, params: list, stats: dict, measure: bool) -> None:
-    """Each trained step's gradient separately, summed from its parts (whole prompt groups; one group: two halves),
-    then combined into the parameters' .grad: ``train.weighting=grad_rms``: ``Σ_k (rms/|g_k|)·g_k / S``;
-    ``train.weighting=auto``: ``Σ_k w_k·(rms/|g_k|)·g_k`` with the signal weights w (sum 1) of
-    :class:`stepflow.coherence.StepSignal`, to which every step computed adds a measurement from its parts' mean
-    gradients (sums over ranks). Steps of weight 0 are computed only when ``measure``. Under DDP the per-step
-    gradients are summed over ranks first, so the norms and the combination are those of the global gradients.
-    ``n_global``: the chunk's rows on all ranks."""
-    from stepflow.coherence import StepSignal, pair_sums
-    from stepflow.loss import rms_weights
-
-    gid = groups[chunk] if groups is not None else torch.zeros(len(chunk), dtype=torch.long)
-    if len(torch.unique(gid)) < 2:  # one group only: halves by position
-        gid = (torch.arange(len(chunk)) >= (len(chunk) + 1) // 2).long()
-    part_of = {int(r): int(g) for r, g in zip(chunk, gid)}
-    ids = sorted(set(part_of.values()))
-    parts = [[mb[torch.tensor([part_of[int(r)] == g for r in mb])] for mb in mbs] for g in ids]
-    parts = [[mb for mb in p if len(mb)] for p in parts]
-    sizes = [sum(len(mb) for mb in p) for p in parts]
-    sig = learner.signal
-    if sig is not None:
-        w_all = sig.weights()
-        todo = [k for k in steps if measure or float(w_all[sig.steps.index(k)]) > 0]
-    else:
-        todo = list(steps)
-    n_params = sum(p.numel() for p in params)
-    grads, sums = [], []
-    for k in todo:
-        vecs = []
-        for part in parts:
-            for p in params:
-                p.grad = None
-            terms(k, part, 1.0)
-            vecs.append(_grad_vector(params))
-        grads.append(sum(vecs) if vecs else torch.zeros(n_params))  # a DDP rank may hold no rows of a chunk
-        if sig is not None:  # part means m_i = part_i · n_global / n_i: their pair sums
-            m = [v.double() * (n_global / n) for v, n in zip(vecs, sizes)]
-            sums.append(pair_sums(torch.stack(m)) if m else torch.zeros(4, dtype=torch.float64))
-    if sig is not None and todo:  # one reduction over ranks for every step's sums
-        sig.add(todo, [StepSignal.ratio(*row) for row in learner.dist.all_sum_tensor(torch.stack(sums)).tolist()])
-    manual = learner.dist.world > 1 and learner.dist.manual_grad_sync
-    if manual and grads:  # every rank combines the global per-step gradients (norms of the sum over ranks)
-        grads = list(learner.dist.all_sum_tensor(torch.stack(grads)).unbind(0))
-    norms = torch.stack([g.norm() for g in grads]).double() if grads else torch.zeros(0)
-    coef = rms_weights(norms).double()
-    if sig is not None:
-        w_all = sig.weights()  # after this measurement
-        coef = coef * torch.tensor([float(w_all[sig.steps.index(k)]) for k in todo], dtype=torch.float64)
-        stats.setdefault("auto_steps", []).append(torch.tensor(float((coef > 0).sum())))
-    else:
-        coef = coef / max(1, len(todo))
-    total = sum(c * g for c, g in zip(coef.tolist(), grads)) if grads else None
-    if manual and total is not None:  # the caller's all_reduce_grads sums the ranks' (identical) combinations
-        total = total / learner.dist.world
-    off = 0
-    for p in params:
-        n_p = p.numel()
-        p.grad = None if total is None else total[off:off + n_p].view_as(p).to(p.dtype).clone()
-        off += n_p
 
 
 def step_loss(learner: Learner, traj: Trajectory, adv: Tensor, k: int, rows: Tensor, times: Tensor,
