@@ -99,26 +99,240 @@ def instantiate(node, field: str, **kwargs):
         cause = e.__cause__
         if isinstance(cause, (ValueError, OSError)):
             raise StepflowError(" ".join(str(cause).split()) or f"{field}: {type(cause).__name__}") from None
+        unimportable = import_error(e, field)
+        if unimportable is not None:
+            raise unimportable from None
         why = " ".join(str(cause if cause is not None else e).split())
         what = f"{type(cause).__name__}: " if cause is not None else ""
-        if cause is None and "Error locating target" in why:
-            target = node.get("_target_") if isinstance(node, dict) else None
-            raise StepflowError(f"{field}._target_: cannot import {target!r}; check the class path") from None
         raise StepflowError(f"{field}: {what}{why[:300]}") from None
 
 
-def check_group_overrides(argv: list[str], conf_dir: Path = CONF_DIR) -> None:
-    """Reject ``group=option`` overrides whose option file does not exist, with a one-line message listing the
-    available options (Hydra's own message spans several lines)."""
-    groups = {p.name for p in conf_dir.iterdir() if p.is_dir()}
-    for arg in argv:
-        if arg.startswith("-") or "=" not in arg:
+def _locate_failure(e: BaseException) -> tuple[str, BaseException] | None:
+    """``(target, root cause)`` when ``e`` (or what caused it) is Hydra's "Error locating target '<target>'" (a
+    ``_target_`` that does not import); None otherwise."""
+    import re
+
+    from hydra.errors import InstantiationException
+
+    x, seen = e, 0
+    while x is not None and seen < 8:
+        found = re.match(r"Error locating target '(.+?)'", str(x)) if isinstance(x, InstantiationException) else None
+        if found:
+            root = x
+            while root.__cause__ is not None or root.__context__ is not None:
+                root = root.__cause__ or root.__context__
+            return found.group(1), root
+        x, seen = x.__cause__ or x.__context__, seen + 1
+    return None
+
+
+def _target_field(node, target: str, prefix: str = "") -> str | None:
+    """The dotted key of the first node of a config whose ``_target_`` is ``target`` (``reward``), depth-first."""
+    from omegaconf import DictConfig, ListConfig
+
+    if isinstance(node, (dict, DictConfig)):
+        try:
+            if node.get("_target_") == target:
+                return prefix[:-1] or "_target_"
+            items = list(node.items())
+        except Exception:  # noqa: BLE001 - a node that does not resolve: not this one
+            return None
+        for k, v in items:
+            if isinstance(v, (dict, DictConfig, list, ListConfig)):
+                hit = _target_field(v, target, f"{prefix}{k}.")
+                if hit:
+                    return hit
+    elif isinstance(node, (list, ListConfig)):
+        for i, v in enumerate(node):
+            hit = _target_field(v, target, f"{prefix[:-1]}[{i}].")
+            if hit:
+                return hit
+    return None
+
+
+def import_error(e: BaseException, field: str | None = None, cfg=None) -> StepflowError | None:
+    """The one line for a ``_target_`` that does not import (a class of the user's own package that is not on
+    ``PYTHONPATH``, a typo in the class path): ``<field>._target_: cannot import '<target>' (<group>=<option>: <why>);
+    <fix>``. ``field``: the config key of the node (``model``), else found in ``cfg`` (the composed config); the
+    option is the group's choice of this run (``reward=bright``), when Hydra knows it. None for any other error."""
+    failure = _locate_failure(e)
+    if failure is None:
+        return None
+    target, root = failure
+    if field is None and cfg is not None:
+        field = _target_field(cfg, target)
+    field = field or "_target_"
+    parent, _, attr = target.rpartition(".")
+    if isinstance(root, ModuleNotFoundError) and root.name == target and parent:
+        why = f"module {parent!r} has no attribute {attr!r}"
+    else:
+        why = f"{type(root).__name__}: {' '.join(str(root).split())[:200]}"
+    group = field.split(".")[0].split("[")[0]
+    option = ""
+    try:
+        from hydra.core.hydra_config import HydraConfig
+
+        choice = HydraConfig.get().runtime.choices.get(group)
+        option = f"{group}={choice}: " if choice else ""
+    except (ImportError, ValueError, AttributeError):
+        pass
+    key = field if field.endswith("_target_") else f"{field}._target_"
+    return StepflowError(f"{key}: cannot import {target!r} ({option}{why}); check the class path, and that its "
+                         "package is importable (its folder on PYTHONPATH)")
+
+
+#: Hydra's command-line flags that take the next argument as their value
+VALUED_FLAGS = frozenset({"-c", "--cfg", "-p", "--package", "-cp", "--config-path", "-cn", "--config-name", "-cd",
+                          "--config-dir", "-i", "--info", "--experimental-rerun"})
+
+
+def overrides_of(argv: list[str]) -> list[str]:
+    """The overrides of a command line: its arguments less Hydra's flags and their values (``--config-dir DIR``)."""
+    return [a for prev, a in zip(["", *argv], argv) if not a.startswith("-") and prev not in VALUED_FLAGS]
+
+
+def config_dir_of(argv: list[str]) -> str | None:
+    """The ``--config-dir DIR`` / ``-cd DIR`` / ``--config-dir=DIR`` of a command line (the last one), else None."""
+    found = None
+    for prev, a in zip(["", *argv], argv):
+        if prev in ("-cd", "--config-dir"):
+            found = a
+        elif a.startswith(("--config-dir=", "-cd=")):
+            found = a.partition("=")[2]
+    return found
+
+
+def _searchpath_dir(entry: str) -> Path:
+    """The directory of one ``hydra.searchpath`` entry (``file://<dir>``, a plain path, ``pkg://<package>[/<dir>]``);
+    a one-line error when it is not an existing directory."""
+    fix = ("give an existing directory: hydra.searchpath=[file:///abs/conf] (or a plain path, or "
+           "pkg://<package>/<folder> of an importable package)")
+    if entry.startswith("pkg://"):
+        from importlib import resources
+
+        # Hydra reads pkg://a/b/c as the package a.b.c; its folder is the folder c of the longest importable package
+        # a(.b) (a folder without __init__.py is a namespace package, whose resources are no plain folder)
+        parts = [p for p in entry[len("pkg://"):].replace(".", "/").split("/") if p]
+        where, why = None, "no package"
+        for i in range(len(parts), 0, -1):
+            try:
+                base = Path(str(resources.files(".".join(parts[:i]))))
+            except Exception as e:  # noqa: BLE001 - ModuleNotFoundError, a module that is no package, ...
+                why = f"{type(e).__name__}: {' '.join(str(e).split())}"
+                continue
+            if base.is_dir():
+                where = base.joinpath(*parts[i:])
+                break
+        if where is None:
+            fail(f"hydra.searchpath: {entry} is not a directory ({why}); {fix}")
+    else:
+        where = Path(entry[len("file://"):] if entry.startswith("file://") else entry).expanduser()
+    if not where.is_dir():
+        fail(f"hydra.searchpath: {entry} is not a directory; {fix}")
+    return where.resolve()
+
+
+def _searchpath_entries(argv: list[str], config_name: str | None, conf_dir: Path) -> tuple[list[str], bool]:
+    """The ``hydra.searchpath`` entries Hydra will use and whether they come from the command line: the command line's
+    ``hydra.searchpath=[...]`` (which replaces the primary config's), else the primary config's own, else none."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    parser = OverridesParser.create()
+    for arg in overrides_of(argv):
+        if arg.partition("=")[0].lstrip("+~") != "hydra.searchpath" or "=" not in arg:
+            continue
+        value = parser.parse_overrides([arg])[0].value()
+        if value is None:
+            return [], True
+        if isinstance(value, str):
+            value = [value]
+        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+            fail(f"hydra.searchpath: must be a list of directories, got {arg.partition('=')[2]!r}; give "
+                 "hydra.searchpath=[file:///abs/conf,...]")
+        return [str(v) for v in value], True
+    primary = conf_dir / f"{config_name}.yaml" if config_name else None
+    if primary is None or not primary.is_file():
+        return [], False
+    from omegaconf import OmegaConf
+
+    try:
+        value = OmegaConf.select(OmegaConf.load(primary), "hydra.searchpath")
+    except Exception:  # noqa: BLE001 - a primary config Hydra will report itself
+        return [], False
+    return ([str(v) for v in value] if value is not None and OmegaConf.is_list(value) else []), False
+
+
+def search_path(argv: list[str], config_name: str | None = None, conf_dir: Path = CONF_DIR) -> list[Path]:
+    """The config directories of a command line besides the package's conf dir, in Hydra's order: ``--config-dir``
+    (``-cd``), then the entries of ``hydra.searchpath`` (the command line's, else the primary config's:
+    ``conf/<config_name>.yaml``). An entry that is not an existing directory is a one-line error; entries Hydra
+    cannot read before composing (an interpolation, ``structured://``) are skipped."""
+    dirs = []
+    cd = config_dir_of(argv)
+    if cd is not None:
+        where = Path(cd).expanduser()
+        if not where.is_dir():
+            fail(f"--config-dir: {cd} is not a directory; give an existing directory of config groups "
+                 "(--config-dir /abs/conf)")
+        dirs.append(where.resolve())
+    entries, _ = _searchpath_entries(argv, config_name, conf_dir)
+    for entry in entries:
+        if "${" in entry or entry.startswith("structured://"):
+            continue
+        dirs.append(_searchpath_dir(entry))
+    return list(dict.fromkeys(dirs))
+
+
+def searchpath_overrides(argv: list[str], config_name: str | None = None, conf_dir: Path = CONF_DIR) -> list[str]:
+    """The ``hydra.searchpath=[...]`` override that makes a composition with Hydra's compose API (the up-front checks)
+    see what the run will: ``--config-dir`` (which the compose API does not take) as the first entry, then the
+    command line's (else the primary config's) entries; ``[]`` when the command line adds no config directory."""
+    cd = config_dir_of(argv)
+    entries, from_cli = _searchpath_entries(argv, config_name, conf_dir)
+    if cd is None and not from_cli:
+        return []  # the primary config's own hydra.searchpath: the compose API reads it itself
+    if cd is not None:
+        entries = [f"file://{Path(cd).expanduser().resolve()}", *entries]
+
+    def quoted(v: str) -> str:  # Hydra's grammar: backslashes are escaped only before a quote (or the closing one)
+        import re
+
+        v = re.sub(r"(\\*)'", lambda m: m.group(1) * 2 + "\\'", v)
+        return "'" + re.sub(r"(\\+)$", lambda m: m.group(1) * 2, v) + "'"
+
+    return [f"hydra.searchpath=[{','.join(quoted(v) for v in entries)}]"]
+
+
+def group_options(group: str, search: list[Path] | tuple = (), conf_dir: Path = CONF_DIR) -> list[str] | None:
+    """The options of config group ``group`` (``reward``, ``experiment``; a nested group as ``hydra/launcher``): the
+    ``<group>/**/*.yaml`` files (``league/best`` for a sub-folder) of the package's conf dir and of every directory of
+    the search path ``search`` (:func:`search_path`), sorted and unique; None when no directory has the group."""
+    if not group or group.startswith(("/", ".")) or ".." in group.split("/") or "\\" in group:
+        return None
+    found = [d / group for d in (conf_dir, *search) if (d / group).is_dir()]
+    if not found:
+        return None
+    return sorted({p.relative_to(g).with_suffix("").as_posix() for g in found for p in g.rglob("*.yaml")})
+
+
+def check_group_overrides(argv: list[str], conf_dir: Path = CONF_DIR, search: list[Path] | None = None,
+                          config_name: str | None = None) -> None:
+    """Reject ``group=option`` (and ``+group=option``) overrides whose option file exists in no config directory,
+    with a one-line message listing the available options (Hydra's own message spans several lines). The config
+    directories: the package's ``conf_dir`` and the search path (``search``, else :func:`search_path` of ``argv``:
+    ``--config-dir``, ``hydra.searchpath``), so a user's own options and groups are accepted."""
+    if search is None:
+        search = search_path(argv, config_name, conf_dir)
+    for arg in overrides_of(argv):
+        if "=" not in arg:
             continue
         key, _, val = arg.partition("=")
-        key = key.lstrip("+~")
-        if key.startswith("hydra") or key not in groups or val in ("", "null"):
+        key = key.lstrip("+~").partition("@")[0]
+        if key.startswith("hydra") or val in ("", "null"):
             continue
-        options = sorted(str(p.relative_to(conf_dir / key).with_suffix("")) for p in (conf_dir / key).rglob("*.yaml"))
+        options = group_options(key, search, conf_dir)
+        if options is None:
+            continue
         for v in val.split(","):  # multirun sweeps: a,b,c
             v = v.strip()
             if v and v not in options:
@@ -132,11 +346,7 @@ def check_grammar(argv: list[str]) -> None:
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
     parser = OverridesParser.create()
-    valued = {"-c", "--cfg", "-p", "--package", "-cp", "--config-path", "-cn", "--config-name", "-cd", "--config-dir",
-              "-i", "--info", "--experimental-rerun"}
-    for prev, arg in zip(["", *argv], argv):
-        if arg.startswith("-") or prev in valued:
-            continue
+    for arg in overrides_of(argv):
         try:
             parser.parse_overrides([arg])
         except Exception as e:  # noqa: BLE001 - OverrideParseException and friends, reported as one line
@@ -147,15 +357,17 @@ def check_grammar(argv: list[str]) -> None:
 
 def check_keys(argv: list[str], config_name: str, conf_dir: Path = CONF_DIR) -> None:
     """Compose the config once with the command line's plain overrides, so that what the structured configs reject
-    (an unknown key, a value of the wrong type) is reported as one line instead of Hydra's multi-line message."""
+    (an unknown key, a value of the wrong type) is reported as one line instead of Hydra's multi-line message. The
+    composition sees the command line's config directories (``--config-dir``, ``hydra.searchpath``:
+    :func:`searchpath_overrides`), so a user's own options are composed and checked too."""
     from stepflow.config import compose
 
-    overrides = [a for a in argv if not a.startswith("-") and ("=" in a or a.startswith("~"))
+    overrides = [a for a in overrides_of(argv) if ("=" in a or a.startswith("~"))
                  and not a.lstrip("+~").startswith("hydra")]
     if any("," in a.partition("=")[2] and not a.partition("=")[2].startswith("[") for a in overrides):
         return  # a sweep: check_sweep composes each job
     try:
-        compose(config_name, overrides, conf_dir=conf_dir)
+        compose(config_name, [*overrides, *searchpath_overrides(argv, config_name, conf_dir)], conf_dir=conf_dir)
     except Exception as e:  # noqa: BLE001 - reported as one line
         fail(compose_error(e))
 
@@ -190,6 +402,11 @@ def compose_error(e: BaseException) -> str:
                     f"a key the config does not have with +{k}=<value>")
         return f"{k}: " + " ".join(msg.split("full_key:")[0].split())
     msg = " ".join(chain[0].split())
+    twice = re.match(r"Multiple values for (\S+)\. To override a value use 'override \S+: (.+?)'", msg)
+    if twice:  # +group=option for a group the config already chooses
+        group, option = twice.groups()
+        return (f"+{group}={option}: the config already chooses a {group}; give {group}={option} (without the +) to "
+                "replace it")
     return msg.replace("To append to your config use +", "(unknown key; to add a new key use +")
 
 
@@ -219,7 +436,7 @@ def sweep_jobs(argv: list[str]) -> list[list[str]]:
     from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
-    args = [a for a in argv if not a.startswith("-")]
+    args = overrides_of(argv)
     parsed = OverridesParser.create().parse_overrides(args)
     return [job for batch in BasicSweeper.split_arguments(parsed, None) for job in batch]
 
@@ -234,11 +451,12 @@ def check_sweep(argv: list[str], config_name: str, conf_dir: Path = CONF_DIR) ->
         jobs = sweep_jobs(argv)
     except Exception as e:  # noqa: BLE001 - reported as one line
         fail(f"cannot expand the sweep: {' '.join(str(e).split())}")
+    searchpath = searchpath_overrides(argv, config_name, conf_dir)
     with composer(conf_dir) as compose:
         for i, job in enumerate(jobs):
             plain = [o for o in job if not o.lstrip("+~").startswith("hydra")]
             try:
-                compose(config_name, plain)
+                compose(config_name, [*plain, *searchpath])
             except Exception as e:  # noqa: BLE001 - reported as one line
                 fail(f"{compose_error(e)} (sweep job #{i}: {' '.join(plain)})")
     return len(jobs)
@@ -275,6 +493,8 @@ def entry_point(config_name: str) -> Callable:
             except (Exception, SystemExit) as e:  # noqa: BLE001 - every error is one line unless debugging
                 if debugging() and not isinstance(e, SystemExit):
                     raise
+                if not isinstance(e, SystemExit):
+                    e = import_error(e, cfg=cfg) or e  # a _target_ that does not import: named by its config key
                 if job is None:
                     if isinstance(e, SystemExit):
                         raise
@@ -296,10 +516,13 @@ def entry_point(config_name: str) -> Callable:
         def cli() -> None:
             argv = sys.argv[1:]
             check_grammar(argv)
-            check_group_overrides(argv)
+            check_group_overrides(argv, config_name=config_name)
             multirun = "-m" in argv or "--multirun" in argv
             total = None
-            if not any(a.startswith("--") and a != "--multirun" for a in argv):
+            # the up-front checks compose what the run will under --multirun and --config-dir (a searchpath entry
+            # for them); other flags (--cfg, --help, -cn ...) skip them
+            composing = {"--multirun", "--config-dir"}
+            if not any(a.startswith("--") and a not in composing and not a.startswith("--config-dir=") for a in argv):
                 if multirun:
                     total = check_sweep(argv, config_name)
                 else:
