@@ -1,0 +1,64 @@
+"""Golden test of the league: iteration 1 of every ``experiment=league/<name>`` recipe gives the recorded numbers.
+
+tests/golden/league_it1.json holds, per recipe, the command's arguments (``experiment=league/<name>
+loop.iterations=1 eval.every=0`` and the recipe's recorded overrides, if any) and the iteration-1 rewards,
+advantages / gains, gradient norm, losses, KL, ratios, clip fractions and ``cost/nfe``, recorded before the
+architecture refactor (from commit 87b3586) by experiments/record_league_golden.py. Every recorded metric must still
+be logged and agree within 1e-6·max(1, |x|) (tests/test_golden.py's rule); metrics added later are not compared. A
+change that alters training on purpose re-records the recipes it changes (``python experiments/record_league_golden.py
+--only <name> ...``) and says why in its commit.
+
+The fast test checks that every recipe file of stepflow/conf/experiment/league/ has an entry (a new recipe gets
+recorded); the ``slow`` ones run each recipe once (about 2-4 minutes each on 2 CPU cores).
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+
+import pytest
+
+from stepflow.testing.harness import ROOT, run_cli
+
+GOLDEN = Path(__file__).resolve().parent / "golden" / "league_it1.json"
+LEAGUE = ROOT / "stepflow" / "conf" / "experiment" / "league"
+RECIPES: dict = json.loads(GOLDEN.read_text())["recipes"]
+
+
+def _iteration_row(metrics_csv: Path, iteration: int = 1) -> dict[str, float]:
+    """Every non-empty value of the rows of ``iteration`` in metrics.csv, merged (the train and the eval row)."""
+    out: dict[str, float] = {}
+    with metrics_csv.open() as fh:
+        for row in csv.DictReader(fh):
+            if row.get("iteration") not in ("", None) and int(float(row["iteration"])) == iteration:
+                out.update({k: float(v) for k, v in row.items() if k != "iteration" and v not in ("", None)})
+    return out
+
+
+def test_every_league_recipe_is_recorded():
+    files = sorted(p.stem for p in LEAGUE.glob("*.yaml"))
+    assert files, f"no league recipes in {LEAGUE}"
+    missing = sorted(set(files) - set(RECIPES))
+    assert not missing, (f"league recipes without a golden entry: {missing}; record them with "
+                         f"`python experiments/record_league_golden.py --only {' '.join(missing)}`")
+    gone = sorted(set(RECIPES) - set(files))
+    assert not gone, f"golden entries without a recipe file (remove them from {GOLDEN.name}): {gone}"
+    for name, entry in RECIPES.items():
+        assert entry["args"][0] == f"experiment=league/{name}" and entry["metrics"].get("cost/nfe"), name
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(RECIPES))
+def test_league_recipe_matches_the_golden_iteration(name, tmp_path):
+    entry = RECIPES[name]
+    timeout = int(max(900, 4 * entry.get("wall_s", 300)))
+    r = run_cli("stepflow.train", *entry["args"], f"hydra.run.dir={tmp_path}", timeout=timeout)
+    assert r.returncode == 0, r.stderr[-3000:]
+    got = _iteration_row(tmp_path / "metrics.csv")
+    want = entry["metrics"]
+    missing = sorted(set(want) - set(got))  # every recorded metric is still logged (new diagnostics may be added)
+    assert not missing, f"league/{name}: no longer logged: {missing}"
+    bad = {k: (got[k], w) for k, w in want.items() if abs(got[k] - w) > 1e-6 * max(1.0, abs(w))}
+    assert not bad, f"league/{name} iteration 1, (got, recorded): {bad}"
