@@ -56,7 +56,7 @@ def measure(overrides: list[str], batches: int, schemes: list[str], weightings: 
     import torch
     from tqdm.auto import tqdm
 
-    from stepflow.advantage import AdvantageEstimator
+    from stepflow.advantage import AdvantageConfig
     from stepflow.algorithm import step_gradients, trainable_steps
     from stepflow.coherence import signal_fraction
     from stepflow.config import compose
@@ -66,7 +66,9 @@ def measure(overrides: list[str], batches: int, schemes: list[str], weightings: 
     cfg = compose("train", overrides)
     module = build_module(cfg, Path("/tmp/stepflow_coherence"))
     learner, lp = module.learner, module.loop
-    estimators = {s: AdvantageEstimator(dataclasses.replace(learner.advantage.cfg, scheme=s)) for s in schemes}
+    c = learner.advantage  # each scheme with the run's common credit settings
+    common = dict(std_scope=c.std_scope, eps=c.eps, adv_clip=c.adv_clip, unbiased_std=c.unbiased_std)
+    estimators = {s: AdvantageConfig(scheme=s, **common) for s in schemes}
     grads: dict[str, list] = {s: [] for s in schemes}
     wgrads: dict[str, list] = {w: [] for w in weightings}  # per batch: (update (D,), per-step weighted grads (S, D))
     steps: list[int] = []

@@ -26,16 +26,9 @@ __all__ = [
     "AdvantageConfig",
     "AdvantageOut",
     "AdvantageEstimator",
-    "SCHEMES",
-    "BRANCH_SCHEMES",
 ]
 
-SCHEMES = ("uniform", "gain", "gain_per_step", "gain_ema", "gae", "turning_point", "tempflow", "g2rpo")
-#: the credits whose rewards come from branch rollouts (stepflow.branch_loop): an ODE anchor, K SDE branches at each
-#: trained step, each completed by the ODE (TempFlow-GRPO, Granular-GRPO; docs/method.md §13)
-BRANCH_SCHEMES = ("tempflow", "g2rpo")
 STD_SCOPES = ("group", "global")
-NORMS = (None, "joint", "per_step")
 
 
 def gains(rewards: Tensor) -> Tensor:
@@ -219,101 +212,6 @@ class EmaBaseline:
 
 
 @dataclass
-class AdvantageConfig:
-    """How rewards become per-step advantages.
-
-    scheme:   ``uniform`` (Flow-GRPO Eq. 4) | ``gain`` (Eq. 5, joint) | ``gain_per_step`` (App. C) |
-              ``gain_ema`` (§6.1) | ``gae`` (§6.2) | ``turning_point`` (TurningPoint-GRPO: d_t from the rewards of
-              the states 0..n of an SDE window 0..n−1 and the final image, turning points credited R_T − R_{t−1},
-              balanced; one normalisation per step column; with ``reward_source=completion`` as released) |
-              ``tempflow`` / ``g2rpo`` (branch rollouts, :data:`BRANCH_SCHEMES`: an ODE anchor, ``branches`` SDE
-              branches at each trained step completed by the ODE at ``granularities``; TempFlow-GRPO's per-step
-              column normalisation, Granular-GRPO's sum over granularities). (Gain-weighted distillation is an
-              objective: ``objective=distill``.)
-    branches: tempflow / g2rpo: K, the SDE branches each rollout row draws at every trained step.
-    granularities: tempflow / g2rpo: the strides of the ODE completions (Granular-GRPO's ``granular_list``); one
-              reward per branch and granularity.
-    std_scope: ``group`` | ``global`` (std over the whole batch).
-    eps:      added to the std.        adv_clip: advantages are clamped to ±adv_clip.
-    ema_alpha: α of :class:`EmaBaseline`.     gamma, lam: GAE's γ, λ (only γλ matters, see :func:`gae`).
-    norm:     None (scheme default: joint, except ``gain_per_step``) | ``joint`` | ``per_step``; overrides the
-              normalisation of the gain-family schemes; ignored for ``uniform`` (one value per row).
-    unbiased_std: divide by the sample std (ddof 1, torch's ``Tensor.std()`` default: DanceGRPO's group std,
-              fastvideo/train_grpo_flux.py L542) instead of the population std (ddof 0, Flow-GRPO's ``np.std``); in
-              every scheme and scope. Default false.
-    reward_source: where the stepwise rewards R_k of the gain schemes come from: ``tweedie`` (the x̂0 estimate of
-              X_k by T′ Euler substeps, ``loop.substeps``; the paper's method) | ``completion`` (X_k completed to an
-              image by the Euler ODE on the rest of the grid, ``stepflow.branch.complete``: the true reward of the
-              state under the ODE, at T − k NFEs per state).
-    over:     ``all`` (the gains of every step enter the normalisation, Eq. 5) | ``trained`` (only the trained
-              steps' gains, normalised jointly over them; it applies to ``gain`` and ``gain_per_step``, the schemes
-              that read every step's gain (gae, gain_ema) keep ``all``, see :attr:`effective_over`). With
-              ``trained`` the
-              advantages of the trained steps depend only on the states around them, so the loop estimates and
-              scores only those and stops the rollout after the last one (:meth:`AdvantageEstimator.states_needed`).
-    """
-
-    scheme: str = "gain"
-    std_scope: str = "group"
-    eps: float = 1e-4
-    adv_clip: float = 5.0
-    ema_alpha: float = 0.9
-    gamma: float = 1.0
-    lam: float = 0.9
-    norm: str | None = None
-    over: str = "all"
-    unbiased_std: bool = False
-    reward_source: str = "tweedie"
-    branches: int = 4
-    granularities: list[int] = field(default_factory=lambda: [1])
-
-    def __post_init__(self) -> None:
-        if self.reward_source not in ("tweedie", "completion"):
-            raise ValueError(f"reward_source: must be tweedie or completion, got {self.reward_source!r}")
-        if self.scheme not in SCHEMES:
-            raise ValueError(f"scheme: must be one of {SCHEMES}, got {self.scheme!r}")
-        if self.std_scope not in STD_SCOPES:
-            raise ValueError(f"std_scope: must be one of {STD_SCOPES}, got {self.std_scope!r}")
-        if not (isinstance(self.branches, int) and not isinstance(self.branches, bool) and self.branches >= 1):
-            raise ValueError(f"branches: must be an integer >= 1, got {self.branches!r}")
-        gran = list(self.granularities) if isinstance(self.granularities, (list, tuple)) else None
-        if not gran or any(not isinstance(g, int) or isinstance(g, bool) or g < 1 for g in gran) or len(set(gran)) < len(gran):
-            raise ValueError(f"granularities: must be a list of distinct integers >= 1 (e.g. [1, 2]), got {self.granularities!r}")
-        self.granularities = gran
-        if self.scheme in BRANCH_SCHEMES and self.reward_source != "tweedie":
-            raise ValueError(f"reward_source: advantage={self.scheme} rewards its branches' ODE completions already; "
-                             "leave advantage.reward_source=tweedie (its default)")
-        if self.norm not in NORMS:
-            raise ValueError(f"norm: must be one of {NORMS}, got {self.norm!r}")
-        if self.over not in ("all", "trained"):
-            raise ValueError(f"over: must be all or trained, got {self.over!r}")
-        if not isinstance(self.unbiased_std, bool):
-            raise ValueError(f"unbiased_std: must be a bool, got {self.unbiased_std!r}")
-        if not (isinstance(self.eps, (int, float)) and self.eps >= 0):
-            raise ValueError(f"eps: must be a float >= 0, got {self.eps!r}")
-        if not (isinstance(self.adv_clip, (int, float)) and self.adv_clip > 0):
-            raise ValueError(f"adv_clip: must be a float > 0, got {self.adv_clip!r}")
-        if not (isinstance(self.ema_alpha, (int, float)) and 0.0 <= self.ema_alpha < 1.0):
-            raise ValueError(f"ema_alpha: must be a float in [0, 1), got {self.ema_alpha!r}")
-        if not (isinstance(self.gamma, (int, float)) and 0.0 <= self.gamma <= 1.0):
-            raise ValueError(f"gamma: must be a float in [0, 1], got {self.gamma!r}")
-        if not (isinstance(self.lam, (int, float)) and 0.0 <= self.lam <= 1.0):
-            raise ValueError(f"lam: must be a float in [0, 1], got {self.lam!r}")
-
-    @property
-    def effective_over(self) -> str:
-        """``trained`` for gain / gain_per_step with ``over=trained``, else ``all``."""
-        return "trained" if self.over == "trained" and self.scheme in ("gain", "gain_per_step") else "all"
-
-    @property
-    def effective_norm(self) -> str:
-        """``joint`` or ``per_step`` for the gain-family schemes (``joint`` for uniform, where it is moot)."""
-        if self.norm is not None:
-            return self.norm
-        return "per_step" if self.scheme == "gain_per_step" else "joint"
-
-
-@dataclass
 class AdvantageOut:
     """advantages: (B, T) float32, clipped to ±adv_clip; gains: (B, T) raw gains or None (uniform);
     stats: python floats (``zero_groups``, ``zero_rows``, ``adv_clip_frac``, ``adv_abs_mean_step{k}``,
@@ -324,171 +222,15 @@ class AdvantageOut:
     stats: dict[str, float] = field(default_factory=dict)
 
 
-class AdvantageEstimator:
-    """Rewards (B, T+1) -> per-step advantages (B, T) according to a :class:`AdvantageConfig`."""
+def AdvantageConfig(scheme: str = "gain", **fields):  # noqa: N802 - the name code and tests build credits by
+    """The credit of option ``scheme`` of the ``advantage`` group (conf/advantage/<scheme>.yaml's ``_target_``, its
+    fields updated by ``fields``): code and tests that build a credit by its option name. ValueError for an unknown
+    option or field."""
+    from stepflow.core.parts import CONF_DIR, from_option
 
-    def __init__(self, cfg: AdvantageConfig):
-        self.cfg = cfg
-        self.ema = EmaBaseline(cfg.ema_alpha) if cfg.scheme == "gain_ema" else None
+    return from_option("advantage", scheme, [CONF_DIR], key="scheme", **fields)
 
-    @property
-    def needs_stepwise_rewards(self) -> bool:
-        """False for ``uniform`` (only the final reward is read), True otherwise."""
-        return self.cfg.scheme != "uniform"
 
-    @property
-    def branched(self) -> bool:
-        """The credit's rewards come from branch rollouts (tempflow, g2rpo), not from the rollout's own states."""
-        return self.cfg.scheme in BRANCH_SCHEMES
-
-    def states_needed(self, trained: list[int], num_steps: int) -> list[int]:
-        """The states k ∈ 0..T whose rewards R_k the advantages of the ``trained`` steps read: ``[T]`` for uniform
-        credit, all of them for gains normalised over every step, ``{k, k + 1 : k trained}`` with ``over=trained``;
-        ``turning_point``: ``0..n`` and T for the window ``0..n−1``; the branch schemes read none of the rollout's
-        (their rollout is the anchor; :mod:`stepflow.branch_loop`)."""
-        if self.branched:
-            return [num_steps]
-        if self.cfg.scheme == "turning_point":
-            return sorted({*range(len(trained) + 1), num_steps})
-        if not self.needs_stepwise_rewards:
-            return [num_steps]
-        if self.cfg.effective_over == "trained":
-            return sorted({s for k in trained for s in (k, k + 1)})
-        return list(range(num_steps + 1))
-
-    def _normalize(self, values: Tensor, group_ids: Tensor) -> Tensor:
-        fn = group_normalize if self.cfg.effective_norm == "joint" else normalize_per_step
-        return fn(values, group_ids, std_scope=self.cfg.std_scope, eps=self.cfg.eps, unbiased=self.cfg.unbiased_std)
-
-    def __call__(self, rewards: Tensor, group_ids: Tensor, num_steps: int | None = None,
-                 trained: list[int] | None = None) -> AdvantageOut:
-        """rewards: (B, T+1) (only the columns :meth:`states_needed` names are read; others may be NaN);
-        group_ids: (B,) long; num_steps: T (checked against ``rewards``); trained: the trained steps (``over=trained``
-        only; the other steps get advantage 0).  Returns :class:`AdvantageOut`."""
-        cfg = self.cfg
-        if rewards.ndim != 2 or rewards.shape[1] < 2:
-            raise ValueError(f"rewards: expected shape (B, T+1), got {tuple(rewards.shape)}")
-        t = rewards.shape[1] - 1
-        if num_steps is not None and num_steps != t:
-            raise ValueError(f"num_steps: {num_steps} does not match rewards with {t + 1} columns")
-        cols = self.states_needed(list(trained or []), t)
-        if not bool(torch.isfinite(rewards[:, cols]).all()):
-            raise ValueError("rewards: non-finite values in the columns this scheme reads")
-
-        g = None
-        if cfg.effective_over == "trained":  # gains of the trained steps only, normalised jointly over them
-            g = torch.zeros(rewards.shape[0], t, dtype=torch.float64)
-            ks = sorted(trained or [])
-            adv = torch.zeros(rewards.shape[0], t, dtype=torch.float32)
-            if ks:
-                g[:, ks] = (rewards[:, [k + 1 for k in ks]] - rewards[:, ks]).detach().to(torch.float64)
-                adv[:, ks] = self._normalize(g[:, ks], group_ids)
-        elif cfg.scheme == "turning_point":
-            adv, g, turning = self._turning_point(rewards, group_ids, t, sorted(trained or []))
-        elif cfg.scheme in BRANCH_SCHEMES:
-            raise ValueError(f"advantage={cfg.scheme}: its advantages come from branch rollouts "
-                             "(AdvantageEstimator.branch_advantages), not from one rollout's rewards")
-        elif cfg.scheme == "uniform":
-            adv = uniform_advantages(rewards[:, -1], group_ids, t, std_scope=cfg.std_scope, eps=cfg.eps,
-                                     unbiased=cfg.unbiased_std)
-        else:
-            g = gains(rewards.detach().to(torch.float64))
-            if cfg.scheme == "gain_ema":
-                src = self.ema(g)
-            elif cfg.scheme == "gae":
-                src = gae(g, cfg.gamma, cfg.lam)
-            else:  # gain, gain_per_step
-                src = g
-            adv = self._normalize(src, group_ids)
-        raw = adv
-        adv = adv.clamp(-cfg.adv_clip, cfg.adv_clip)
-        stats = self._stats(raw, adv, g, rewards, group_ids,
-                            sorted(trained or []) if cfg.effective_over == "trained" or cfg.scheme == "turning_point"
-                            else None)
-        if cfg.scheme == "turning_point":
-            stats["turning_frac"] = turning
-        return AdvantageOut(advantages=adv, gains=None if g is None else g.to(torch.float32), stats=stats)
-
-    def _turning_point(self, rewards: Tensor, group_ids: Tensor, t: int,
-                       trained: list[int]) -> tuple[Tensor, Tensor, float]:
-        """TurningPoint-GRPO (:func:`stepflow.branch_credit.turning_point_rewards` with the released flags, then
-        :func:`~stepflow.branch_credit.per_step_advantages`): R_0 = ``rewards[:, 0]`` (under
-        ``reward_source=completion`` the pure-ODE image from the same noise), R_t = ``rewards[:, t]`` for the window's
-        t = 1..n (the first t SDE steps, then the ODE), R_sde = ``rewards[:, T]``. The trained steps must be the window
-        ``0..n−1`` (the released ``sde_window_range = (0, n)``). Returns the (B, T) advantages (0 outside the window;
-        not yet clipped), the per-step rewards r_t in the window's columns (the "gains" logged) and the fraction of
-        (row, step) pairs that are kept turning points."""
-        from stepflow.branch_credit import per_step_advantages, turning_point_rewards
-
-        n = len(trained)
-        if trained != list(range(n)) or n == 0:
-            raise ValueError(f"advantage=turning_point: the trained steps must be an SDE window starting at step 0 "
-                             f"(TurningPoint-GRPO's sde_window_range (0, n)), got {trained}; set train.train_steps=null "
-                             "with window=none or a window that starts at 0")
-        r = rewards.detach().to(torch.float64)
-        tp = turning_point_rewards(r[:, 0], r[:, 1:n + 1], r[:, t], eta=1.0)
-        adv = torch.zeros(r.shape[0], t, dtype=torch.float32)
-        adv[:, :n] = per_step_advantages(tp.rewards, group_ids, eps=self.cfg.eps,
-                                         global_std=self.cfg.std_scope == "global")
-        g = torch.zeros(r.shape[0], t, dtype=torch.float64)
-        g[:, :n] = tp.rewards.double()
-        return adv, g, float(tp.turning.double().mean())
-
-    def branch_advantages(self, rewards: Tensor, group_ids: Tensor) -> tuple[Tensor, dict[str, float]]:
-        """The advantages of branch rollouts (:mod:`stepflow.branch_loop`). rewards: (B, K, S, G) the reward of row
-        i's branch j at trained step s completed at granularity g; group_ids: (B,) the rows' prompts (a group: every
-        row and branch of a prompt). ``tempflow``: :func:`stepflow.branch_credit.tempflow_advantages` on the (B·K, S)
-        rewards (G = 1: each step's column normalised within the group, population std + eps); ``g2rpo``:
-        :func:`~stepflow.branch_credit.g2rpo_advantages` on the (B·K, S, G) rewards (normalised per (step,
-        granularity) with the sample std + eps, summed over the granularities). Clipped to ±adv_clip. Returns
-        (B, K, S) float32 and the stats."""
-        from stepflow.branch_credit import g2rpo_advantages, tempflow_advantages
-
-        cfg = self.cfg
-        b, k, s, g = rewards.shape
-        gid = torch.as_tensor(group_ids).repeat_interleave(k)
-        if cfg.scheme == "tempflow":
-            if g != 1:
-                raise ValueError(f"advantage=tempflow: one completion per branch (granularities [1]), got {g}")
-            raw = tempflow_advantages(rewards.reshape(b * k, s), gid, eps=cfg.eps, global_std=cfg.std_scope == "global")
-        else:
-            raw = g2rpo_advantages(rewards.reshape(b * k, s, g), gid, eps=cfg.eps)
-        adv = raw.clamp(-cfg.adv_clip, cfg.adv_clip)
-        stats = {"adv_clip_frac": float((raw.abs() > cfg.adv_clip).double().mean()),
-                 "zero_rows": float((adv.view(b, k * s) == 0).all(1).sum()),
-                 "num_groups": float(len(torch.unique(torch.as_tensor(group_ids))))}
-        return adv.view(b, k, s), stats
-
-    def _stats(self, raw: Tensor, adv: Tensor, g: Tensor | None, rewards: Tensor, group_ids: Tensor,
-               gain_steps: list[int] | None = None) -> dict:
-        b, t = adv.shape
-        inv, k = _group_index(group_ids, b)
-        row_zero = (adv == 0).all(dim=1)  # (B,)
-        group_nonzero = torch.zeros(k, dtype=torch.long).index_add_(0, inv.cpu(), (~row_zero).long().cpu())
-        stats: dict[str, float] = {
-            "zero_groups": float((group_nonzero == 0).sum().item()),
-            "zero_rows": float(row_zero.sum().item()),
-            "num_groups": float(k),
-            "adv_clip_frac": float((raw.abs() > self.cfg.adv_clip).double().mean().item()),
-        }
-        adv_abs = adv.abs().double().mean(dim=0)
-        for j in range(t):
-            stats[f"adv_abs_mean_step{j}"] = float(adv_abs[j].item())
-        if g is not None:
-            g_abs = g.abs().mean(dim=0)
-            for j in (range(t) if gain_steps is None else gain_steps):
-                stats[f"gain_abs_mean_step{j}"] = float(g_abs[j].item())
-            if gain_steps != []:
-                stats["gain_mean"] = float((g if gain_steps is None else g[:, gain_steps]).mean().item())
-            telescope = (rewards[:, -1] - rewards[:, 0]).double()
-            if bool(torch.isfinite(telescope).all()):
-                stats["telescope_mean"] = float(telescope.mean().item())
-        return stats
-
-    def state_dict(self) -> dict:
-        """EMA state (empty for schemes without state)."""
-        return {"ema": self.ema.state_dict()} if self.ema is not None else {}
-
-    def load_state_dict(self, state: dict) -> None:
-        if self.ema is not None and "ema" in state:
-            self.ema.load_state_dict(state["ema"])
+def AdvantageEstimator(credit):  # noqa: N802 - kept for code that wrapped a config in an estimator
+    """The credit itself (a :class:`stepflow.credits.base.Credit` computes its advantages)."""
+    return credit

@@ -31,13 +31,11 @@ from typing import Any
 
 from omegaconf import MISSING, DictConfig, OmegaConf
 
-from stepflow.advantage import AdvantageConfig
 from stepflow.budget import parse_budget
 from stepflow.errors import StepflowError
-from stepflow.sde import TIME_GRIDS, SamplerConfig
-from stepflow.window import WindowConfig
+from stepflow.sde import TIME_GRIDS
 
-__all__ = ["LoopConfig", "TrainConfig", "ObjectiveConfig", "OBJECTIVES", "EvalConfig", "EmaConfig", "LoraConfig", "DataConfig", "RunConfig",
+__all__ = ["LoopConfig", "TrainConfig", "ObjectiveConfig", "EvalConfig", "EmaConfig", "LoraConfig", "DataConfig", "RunConfig",
            "PretrainArchConfig", "PretrainDataConfig", "PretrainObjectiveConfig", "PretrainOptimConfig",
            "PretrainEmaConfig", "PretrainTrainerConfig", "PretrainEvalConfig", "PretrainSelectConfig", "PretrainConfig",
            "EvaluateSamplerConfig", "EvaluateGridConfig", "EvaluateConfig", "Limits", "ServeRewardConfig",
@@ -301,78 +299,14 @@ class DataConfig:
     balance_by: str | None = None  #: draw prompts balanced over this record key (e.g. category)
 
 
-OBJECTIVES = ("grpo", "distill", "nft", "awm", "advantageflow")
-NFT_ADV_MODES = ("all", "positive_only", "negative_only", "one_only", "binary")
-AWM_LOG_PROBS = ("ghuber", "uniform", "t", "t2", "huber")
+def ObjectiveConfig(name: str = "grpo", **fields):  # noqa: N802 - the name code and tests build objectives by
+    """The objective of option ``name`` of the ``objective`` group (conf/objective/<name>.yaml's ``_target_``, its
+    fields updated by ``fields``; :mod:`stepflow.objectives`), not yet bound to a run's ``train`` settings
+    (``Objective.bind``): code and tests that build an objective by its option name."""
+    from stepflow.core.parts import CONF_DIR as conf
+    from stepflow.core.parts import from_option
 
-
-@dataclass
-class ObjectiveConfig:
-    """What the update minimises (``objective=<name>``, ``stepflow.objectives``; docs/method.md §11). One schema for
-    every objective; each reads its own fields (the others are ignored):
-
-    ============== ========================================================================================
-    grpo           the clipped likelihood ratio of the rollout's SDE steps + ``train.beta_kl``·KL (Flow-GRPO)
-    distill        gain-weighted ODE progressive distillation: ``weight``, ``temperature`` (paper App. A)
-    nft            DiffusionNFT: ``beta``, ``adv_mode``, ``adv_clip_max``, ``decay_type``, KL weight ``train.beta_kl``
-    awm            Advantage Weighted Matching: ``num_times``, ``times_frac``, ``log_prob``, ``p``, ``clip_range``,
-                   ``adv_clip_max``, ``advantage_max``, ``ema_beta``, ``kl_ema_decay``, ``ema_rate``; ``train.beta_kl``
-    advantageflow  AdvantageFlow: ``gamma``, ``lam``, ``decay_type``
-    ============== ========================================================================================
-
-    ``rollout_sampler`` / ``same_latent``: what the objective's rollouts need whatever ``sampler`` /
-    ``loop.same_latent`` say (None: those). The forward-process objectives (nft, awm, advantageflow) train at
-    ``int(T·train.timestep_fraction)`` (nft, advantageflow) or ``num_times`` (awm) grid times per sample.
-    """
-
-    name: str = "grpo"
-    rollout_sampler: str | None = None
-    same_latent: bool | None = None
-    weight: str = "relu"  #: distill: relu | signed | exp
-    temperature: float = 1.0  #: distill, weight=exp only
-    beta: float = 1.0  #: nft: the implicit policies' step β (v⁺ = β·v_θ + (1 − β)·v_old); released default 1.0
-    adv_mode: str = "all"  #: nft: all | positive_only | negative_only | one_only | binary
-    adv_clip_max: float = 5.0  #: nft, awm: advantages clipped to ±adv_clip_max
-    decay_type: int = 1  #: nft, advantageflow: the old copy's decay schedule 0 (on-policy) | 1 | 2
-    num_times: int = 6  #: awm: stratified training times per sample
-    times_frac: float = 0.9  #: awm: training times among grid indices [1, int(T·times_frac))
-    log_prob: str = "ghuber"  #: awm: ghuber | uniform | t | t2 | huber (the loss reshaping)
-    p: float = 0.25  #: awm, log_prob=ghuber: the power
-    clip_range: float = 1.0  #: awm: ratio clip range
-    advantage_max: float = 1.0  #: awm: advantages rescaled to [−advantage_max, advantage_max]
-    ema_beta: float = 1.0  #: awm: weight of ‖v_θ − v_ema‖² (the fast EMA copy)
-    kl_ema_decay: float = 0.3  #: awm: the EMA copy's decay cap, d = min(kl_ema_decay, ema_rate·step)
-    ema_rate: float = 0.001  #: awm: the EMA copy's decay slope per optimizer step
-    gamma: float = 1.5  #: advantageflow: weight of ‖f_θ − f_old‖² (proximity to the rollout policy; inferred, > 1 − lam)
-    lam: float = 0.0  #: advantageflow: weight of ‖f_θ − f_ref‖² (proximity to the reference)
-
-    def __post_init__(self) -> None:
-        from stepflow.sde import SAMPLERS
-
-        _need(self.name in OBJECTIVES, f"name: must be one of {', '.join(OBJECTIVES)}, got {self.name!r}")
-        _need(self.rollout_sampler in (None, *SAMPLERS),
-              f"rollout_sampler: must be null or one of {', '.join(SAMPLERS)}, got {self.rollout_sampler!r}")
-        _need(self.weight in ("relu", "signed", "exp"), f"weight: must be relu, signed or exp, got {self.weight!r}")
-        _need(self.temperature > 0, f"temperature: must be > 0, got {self.temperature}")
-        _need(self.beta > 0, f"beta: must be > 0, got {self.beta}")
-        _need(self.adv_mode in NFT_ADV_MODES, f"adv_mode: must be one of {', '.join(NFT_ADV_MODES)}, got {self.adv_mode!r}")
-        _need(self.adv_clip_max > 0, f"adv_clip_max: must be > 0, got {self.adv_clip_max}")
-        _need(self.decay_type in (0, 1, 2), f"decay_type: must be 0, 1 or 2, got {self.decay_type!r}")
-        _need(_is_int(self.num_times) and self.num_times >= 1, f"num_times: must be an integer >= 1, got {self.num_times!r}")
-        _need(0 < self.times_frac <= 1, f"times_frac: must be in (0, 1], got {self.times_frac}")
-        _need(self.log_prob in AWM_LOG_PROBS, f"log_prob: must be one of {', '.join(AWM_LOG_PROBS)}, got {self.log_prob!r}")
-        _need(self.p > 0, f"p: must be > 0, got {self.p}")
-        _need(self.clip_range > 0, f"clip_range: must be > 0, got {self.clip_range}")
-        _need(self.advantage_max > 0, f"advantage_max: must be > 0, got {self.advantage_max}")
-        _need(self.ema_beta >= 0, f"ema_beta: must be >= 0, got {self.ema_beta}")
-        _need(0 <= self.kl_ema_decay < 1, f"kl_ema_decay: must be in [0, 1), got {self.kl_ema_decay}")
-        _need(self.ema_rate >= 0, f"ema_rate: must be >= 0, got {self.ema_rate}")
-        _need(self.gamma >= 0 and self.lam >= 0, f"gamma / lam: must be >= 0, got {self.gamma} / {self.lam}")
-
-    @property
-    def forward_process(self) -> bool:
-        """Trains on the forward process (re-noised final samples; no log-probs, no SDE needed)."""
-        return self.name in ("nft", "awm", "advantageflow")
+    return from_option("objective", name, [conf], key="name", **fields)
 
 
 @dataclass
@@ -389,12 +323,14 @@ class RunConfig:
     eval: EvalConfig = field(default_factory=EvalConfig)
     ema: EmaConfig = field(default_factory=EmaConfig)
     lora: LoraConfig = field(default_factory=LoraConfig)
-    # chosen by a config group (the defaults list always picks one): merged into the class defaults
+    # chosen by a config group (the defaults list always picks one): data is merged into its class defaults; the
+    # parts (sampler, advantage, objective, window; model, reward) are ``_target_`` nodes whose classes check their
+    # own fields (stepflow.core.parts.build_part)
     data: DataConfig = MISSING
-    sampler: SamplerConfig = MISSING
-    advantage: AdvantageConfig = MISSING
-    objective: ObjectiveConfig = MISSING
-    window: WindowConfig = MISSING
+    sampler: Any = MISSING
+    advantage: Any = MISSING
+    objective: Any = MISSING
+    window: Any = MISSING
     model: Any = None
     reward: Any = None
     trainer: Any = None

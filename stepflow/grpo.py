@@ -15,16 +15,14 @@ from typing import Any
 import lightning as L
 import torch
 
-from stepflow.advantage import AdvantageConfig, AdvantageEstimator
 from stepflow.algorithm import Learner, iteration, iteration_metrics
-from stepflow.config import EmaConfig, EvalConfig, LoopConfig, ObjectiveConfig, TrainConfig
+from stepflow.config import EmaConfig, EvalConfig, LoopConfig, TrainConfig
 from stepflow.data import PromptPlanner
 from stepflow.dist import Dist
 from stepflow.ema import ParamEMA
 from stepflow.errors import RewardServiceError, StopRequested
 from stepflow.policies.base import FlowPolicy
 from stepflow.rewards.base import Reward
-from stepflow.sde import SamplerConfig
 
 __all__ = ["GRPOModule"]
 
@@ -35,18 +33,19 @@ class GRPOModule(L.LightningModule):
     Args:
         policy: a FlowPolicy with a LoRA adapter added, or fully fine-tuned (``policy.trainable_parameters()``).
         reward: the training reward (also scores the evaluation).
-        sampler / advantage: the rollout sampler and the credit scheme.
-        objective: what the update minimises (None: GRPO).
+        sampler / advantage: the rollout sampler and the credit (parts: :mod:`stepflow.samplers`,
+            :mod:`stepflow.credits`).
+        objective: what the update minimises (a part, :mod:`stepflow.objectives`; None: GRPO).
+        window: the SDE window (a part, :mod:`stepflow.windows`; None: every step follows the sampler).
         plan: the group sampler over the training prompts.
         eval_records: held-out prompt records.
         loop / train / eval_cfg / ema: the configs of ``stepflow.config``.
         run_dir: where grids, plots and the adapter go.
     """
 
-    def __init__(self, policy: FlowPolicy, reward: Reward, sampler: SamplerConfig, advantage: AdvantageConfig,
+    def __init__(self, policy: FlowPolicy, reward: Reward, sampler: Any, advantage: Any,
                  plan: PromptPlanner, eval_records: list[dict], loop: LoopConfig, train: TrainConfig,
-                 eval_cfg: EvalConfig, ema: EmaConfig, run_dir: str | Path = ".", window=None,
-                 objective: ObjectiveConfig | None = None):
+                 eval_cfg: EvalConfig, ema: EmaConfig, run_dir: str | Path = ".", window=None, objective: Any = None):
         super().__init__()
         self.automatic_optimization = False
         self.strict_loading = False  # checkpoints hold only the trained weights
@@ -73,10 +72,10 @@ class GRPOModule(L.LightningModule):
         from stepflow.sharding import same_graph_as_fsdp
 
         same_graph_as_fsdp(policy.transformer)  # the same backward sums under every strategy (full fine-tuning)
-        from stepflow.objectives import build_objective
+        from stepflow.objectives import Grpo
         from stepflow.weighting import build_weighting
 
-        self.objective = build_objective(objective or ObjectiveConfig(), train)
+        self.objective = (objective if objective is not None else Grpo()).bind(train)
         if self.objective.uses_reference:
             policy.prepare_reference()  # full fine-tuning: copy π_ref before any weight (or EMA swap) changes it
         if loop.compile:
@@ -87,7 +86,7 @@ class GRPOModule(L.LightningModule):
         # weighting=auto measures every step the objective may train
         candidates = self.objective.trained_steps(train, sampler, policy.time_grid(loop.num_steps), None)
         weighting = build_weighting(train.weighting, candidates, train.auto_warmup, train.auto_every)
-        self.learner = Learner(policy, reward, sampler, AdvantageEstimator(advantage), plan, loop, train, None,
+        self.learner = Learner(policy, reward, sampler, advantage, plan, loop, train, None,
                                guidance=float(guidance), backward=self._backward,
                                on_optimizer_step=self.ema.step if self.ema is not None else None, window=window,
                                objective=self.objective, weighting=weighting)

@@ -22,12 +22,14 @@ from stepflow.data import IterationPlan, seeded_normal
 from stepflow.estimate import estimate_x0_with_nfe
 from stepflow.policies.base import Cond, FlowPolicy, check_time_grid
 from stepflow.rewards.base import Reward
-from stepflow.sde import TIME_GRIDS, SamplerConfig, fastvideo_time_grid, sde_step
-from stepflow.solvers import dpm2_step, dpm_order, flash_tail, x0_from_v
+from stepflow.samplers.base import Sampler
+from stepflow.samplers.ode import Ode
+from stepflow.sde import TIME_GRIDS, fastvideo_time_grid
+from stepflow.solvers import flash_tail, x0_from_v
 
 __all__ = ["Trajectory", "Scores", "sampling_grid", "rollout", "estimate_states", "score"]
 
-_ODE = SamplerConfig(name="ode")
+_ODE = Ode()  #: the step outside the SDE window
 
 
 @dataclass(frozen=True)
@@ -141,8 +143,79 @@ def sampling_grid(policy: FlowPolicy, num_steps: int, kind: str = "model", shift
                            "loop.time_grid=fastvideo")
 
 
+def _check_tail(tail: Tensor | None, sde_steps: list[int] | None, depth: int | None, num_steps: int,
+                times: Tensor) -> tuple[int | None, Tensor | None]:
+    """``(last, tail)`` of a MixGRPO-Flash rollout (``last`` the window's last step, ``tail`` on the grid's device),
+    checked against the window, the depth and the grid; ``(None, None)`` without a tail."""
+    if tail is None:
+        return None, None
+    if not sde_steps:
+        raise ValueError("tail: MixGRPO-Flash's tail follows the SDE window, but sde_steps is "
+                         f"{sde_steps!r}; roll an empty window out without a tail (all Euler)")
+    if depth not in (None, num_steps):
+        raise ValueError(f"tail: a Flash rollout has no states between the window and the end; depth must be the "
+                         f"whole grid ({num_steps}), got {depth}")
+    last = max(sde_steps)
+    tail = tail.to(times.device)
+    if tail.ndim != 1 or len(tail) < 1 or float(tail[0]) != float(times[last + 1]):
+        raise ValueError(f"tail: must be a (n,) grid starting at grid[{last + 1}] = {float(times[last + 1])} (the "
+                         f"state after the window's last step {last}; stepflow.solvers.flash_grid(...)[last + 1:]), "
+                         f"got {tail.tolist()}")
+    return last, tail
+
+
+class _Keeper:
+    """``loop.retain_graph``: evaluates the velocity of the steps ``keep`` with gradients and keeps it with its graph
+    (``kept``); the activations are measured on the first kept step and projected to all of ``keep``; over
+    ``budget_gib`` the graphs are let go (``kept`` None, ``refused`` says why)."""
+
+    def __init__(self, policy: FlowPolicy, keep: Sequence[int] | None, budget_gib: float | None):
+        self.keep = sorted({int(k) for k in keep}) if keep else []
+        self.kept: dict[int, Tensor] | None = {} if keep else None
+        self.step_bytes, self.refused, self.budget_gib = 0, None, budget_gib
+        self.weights = list(policy.parameters()) if keep and isinstance(policy, torch.nn.Module) else []
+
+    def wants(self, k: int) -> bool:
+        return self.kept is not None and k in self.keep
+
+    def velocity(self, policy: FlowPolicy, k: int, x: Tensor, t: Tensor, cond: Cond, guidance: float) -> Tensor:
+        """The velocity of kept step ``k`` (detached; its graph goes to ``kept[k]``)."""
+        from stepflow.retain import SavedBytes
+
+        # the activations are measured on the first kept step only: every kept step is the same forward at the
+        # same batch, and the measuring hook (a Python call per saved tensor) cost the rollout 0.1-0.3 s of 2
+        # on the every-step recipe
+        first = not self.kept
+        with torch.enable_grad(), (SavedBytes(self.weights) if first else contextlib.nullcontext()) as saved:
+            v_graph = policy.velocity(x, t, cond, guidance)
+        self.kept[k] = v_graph
+        if first:
+            self.step_bytes = saved.bytes
+            projected = self.step_bytes * len(self.keep) / 2**30
+            if self.budget_gib is not None and projected > self.budget_gib:
+                self.refused = (f"the kept activations would take {projected:.2f} GiB (measured on the first of "
+                                f"{len(self.keep)} kept steps) > loop.retain_max_gib={self.budget_gib:g}")
+                self.kept = None
+        return v_graph.detach()
+
+
+def _complete_tail(policy: FlowPolicy, x: Tensor, tail: Tensor, cond: Cond, guidance: float, x0_prev: Tensor,
+                   t_last: Tensor, num_steps: int, last: int, lat: list, vel: list, lps: list, trn: list) -> None:
+    """MixGRPO-Flash: ``X_{last+1} -> X_T`` by the DPM++ tail, appended to the rollout's lists; the states
+    ``last+2 .. T-1`` (off the compressed grid, never computed) are NaN, log-prob 0, untrainable."""
+    final, _, tail_v = flash_tail(x, tail, lambda z, t: policy.velocity(z, t, cond, guidance), x0_prev, t_last)
+    b = x.shape[0]
+    gap = num_steps - last - 2
+    nan = torch.full_like(x, float("nan"))
+    lat.extend([nan] * gap + [final.to(x.dtype)])
+    vel.extend([tail_v[0] if tail_v else nan] + [nan] * gap)
+    zero = torch.zeros(b, device=x.device, dtype=lps[-1].dtype)
+    lps.extend([zero] * (gap + 1))
+    trn.extend([torch.zeros(b, dtype=torch.bool, device=x.device)] * (gap + 1))
+
+
 @torch.no_grad()
-def rollout(policy: FlowPolicy, plan: IterationPlan, sampler: SamplerConfig, num_steps: int,
+def rollout(policy: FlowPolicy, plan: IterationPlan, sampler: Sampler, num_steps: int,
             guidance: float, depth: int | None = None, sde_steps: list[int] | None = None,
             grid: Tensor | None = None, tail: Tensor | None = None, keep: Sequence[int] | None = None,
             keep_budget_gib: float | None = None) -> Trajectory:
@@ -153,15 +226,16 @@ def rollout(policy: FlowPolicy, plan: IterationPlan, sampler: SamplerConfig, num
     Noise is row-seeded (``plan.init_noise_seeds`` for X_0, ``plan.step_noise_seeds`` for the SDE noise ε of every
     step), so a sample does not depend on the batch it is in (one process vs DDP, resume), nor on the depth.
     ``sde_steps``: the steps that follow ``sampler`` (an SDE window); the others take the deterministic Euler step
-    (no density, untrainable). None: every step.
+    (no density, untrainable). None: every step. Step k is ``sampler.rollout_step`` (k, grid).
 
-    ``sampler.name == "dpm2"`` (DiffusionNFT's deterministic multistep DPM-Solver++(2M), :mod:`stepflow.solvers`):
-    the loop keeps the x̂0 = X_k − τ_k·v of every state it passes and step k takes :func:`dpm_order` (k, T) of the
-    T-step grid (first order at k = 0 and k = T − 1, second order with the previous state's x̂0 elsewhere); log-probs
-    0, nothing trainable. With ``sde_steps`` the steps outside it take the Euler step, and a dpm2 step inside it still
-    uses the x̂0 of the state before it (whichever step made that state) and the order of its grid index.
+    A ``sampler.multistep`` sampler (dpm2, DiffusionNFT's deterministic DPM-Solver++(2M), :mod:`stepflow.solvers`):
+    the loop keeps the x̂0 = X_k − τ_k·v of every state it passes for its next step (dpm2 takes :func:`dpm_order`
+    (k, T) of the T-step grid: first order at k = 0 and k = T − 1, second order with the previous state's x̂0
+    elsewhere; log-probs 0, nothing trainable). With ``sde_steps`` the steps outside it take the Euler step, and a
+    dpm2 step inside it still uses the x̂0 of the state before it (whichever step made that state) and the order of
+    its grid index.
 
-    ``tail`` (MixGRPO-Flash; :func:`stepflow.window.post_tail`): the compressed grid after the window, from
+    ``tail`` (MixGRPO-Flash; :meth:`stepflow.windows.base.Window.tail`): the compressed grid after the window, from
     ``tail[0] = grid[last + 1]`` (``last = max(sde_steps)``) down to its end. The loop stops after step ``last`` and
     :func:`stepflow.solvers.flash_tail` runs DPM-Solver++(2M) from ``X_{last+1}`` over ``tail``, its first step
     second order with the x̂0 of ``X_last`` (released sampling_utils.py L112-144); its result is stored as ``X_T``.
@@ -176,8 +250,6 @@ def rollout(policy: FlowPolicy, plan: IterationPlan, sampler: SamplerConfig, num
     ``keep``, exceed it, the graphs are let go and the rollout goes on without (``Trajectory.kept`` None,
     ``kept_refused`` says why).
     """
-    from stepflow.retain import SavedBytes
-
     device = policy.device
     b = len(plan)
     cond = policy.encode(plan.prompts)
@@ -185,55 +257,20 @@ def rollout(policy: FlowPolicy, plan: IterationPlan, sampler: SamplerConfig, num
     times = (policy.time_grid(num_steps) if grid is None else grid).to(device)
     if times.shape != (num_steps + 1,):
         raise ValueError(f"grid: expected shape ({num_steps + 1},) for {num_steps} steps, got {tuple(times.shape)}")
-    last = None
-    if tail is not None:
-        if not sde_steps:
-            raise ValueError("tail: MixGRPO-Flash's tail follows the SDE window, but sde_steps is "
-                             f"{sde_steps!r}; roll an empty window out without a tail (all Euler)")
-        if depth not in (None, num_steps):
-            raise ValueError(f"tail: a Flash rollout has no states between the window and the end; depth must be the "
-                             f"whole grid ({num_steps}), got {depth}")
-        last = max(sde_steps)
-        tail = tail.to(device)
-        if tail.ndim != 1 or len(tail) < 1 or float(tail[0]) != float(times[last + 1]):
-            raise ValueError(f"tail: must be a (n,) grid starting at grid[{last + 1}] = {float(times[last + 1])} (the "
-                             f"state after the window's last step {last}; stepflow.solvers.flash_grid(...)[last + 1:]), "
-                             f"got {tail.tolist()}")
+    last, tail = _check_tail(tail, sde_steps, depth, num_steps, times)
     x = seeded_normal(plan.init_noise_seeds, shape, device)
     eps = seeded_normal(plan.step_noise_seeds, (num_steps, *shape), device)  # (B, T, C, H, W)
     lat, vel, lps, trn = [x], [], [], []
-    multistep = sampler.name == "dpm2"
-    x0_prev = None  # dpm2: the x̂0 of the previous state
-    keep = sorted({int(k) for k in keep}) if keep else []
-    kept: dict[int, Tensor] | None = {} if keep else None
-    step_bytes, refused = 0, None  # the activations one kept step saves
-    weights = list(policy.parameters()) if keep and isinstance(policy, torch.nn.Module) else []
+    x0_prev = None  # a multistep sampler's (and the Flash tail's): the x̂0 of the previous state
+    keeper = _Keeper(policy, keep, keep_budget_gib)
     for k in range(num_steps if depth is None else depth):
-        if kept is not None and k in keep:
-            # the activations are measured on the first kept step only: every kept step is the same forward at the
-            # same batch, and the measuring hook (a Python call per saved tensor) cost the rollout 0.1-0.3 s of 2
-            # on the every-step recipe
-            first = not kept
-            with torch.enable_grad(), (SavedBytes(weights) if first else contextlib.nullcontext()) as saved:
-                v_graph = policy.velocity(x, times[k], cond, guidance)
-            kept[k] = v_graph
-            if first:
-                step_bytes = saved.bytes
-                projected = step_bytes * len(keep) / 2**30
-                if keep_budget_gib is not None and projected > keep_budget_gib:
-                    refused = (f"the kept activations would take {projected:.2f} GiB (measured on the first of "
-                               f"{len(keep)} kept steps) > loop.retain_max_gib={keep_budget_gib:g}")
-                    kept = None
-            v = v_graph.detach()
+        if keeper.wants(k):
+            v = keeper.velocity(policy, k, x, times[k], cond, guidance)
         else:
             v = policy.velocity(x, times[k], cond, guidance)
         cfg = sampler if sde_steps is None or k in sde_steps else _ODE
-        if cfg.name == "dpm2":
-            out = dpm2_step(x, v, times[k], times[k + 1], order=dpm_order(k, num_steps), x0_prev=x0_prev,
-                            t_prev=times[k - 1] if k > 0 else None)
-        else:
-            out = sde_step(cfg, x, v, times[k], times[k + 1], t_guard=times[1], noise=eps[:, k])
-        if multistep or k == last:
+        out = cfg.rollout_step(x, v, k, times, noise=eps[:, k], x0_prev=x0_prev)
+        if sampler.multistep or k == last:
             x0_prev = x0_from_v(x, v, times[k])
         x = out.next
         lat.append(x); vel.append(v); lps.append(out.log_prob)
@@ -241,20 +278,13 @@ def rollout(policy: FlowPolicy, plan: IterationPlan, sampler: SamplerConfig, num
         if k == last:
             break
     if last is not None and last + 1 < num_steps:  # MixGRPO-Flash: X_{last+1} -> X_T by the DPM++ tail
-        final, _, tail_v = flash_tail(x, tail, lambda z, t: policy.velocity(z, t, cond, guidance), x0_prev,
-                                      times[last])
-        gap = num_steps - last - 2  # states last+2 .. T-1: off the compressed grid, never computed
-        nan = torch.full_like(x, float("nan"))
-        lat.extend([nan] * gap + [final.to(x.dtype)])
-        vel.extend([tail_v[0] if tail_v else nan] + [nan] * gap)
-        zero = torch.zeros(b, device=x.device, dtype=lps[-1].dtype)
-        lps.extend([zero] * (gap + 1))
-        trn.extend([torch.zeros(b, dtype=torch.bool, device=x.device)] * (gap + 1))
+        _complete_tail(policy, x, tail, cond, guidance, x0_prev, times[last], num_steps, last, lat, vel, lps, trn)
+    kept = keeper.kept
     return Trajectory(latents=torch.stack(lat, 1), velocities=torch.stack(vel, 1), log_probs=torch.stack(lps, 1),
                       trainable=torch.stack(trn, 1), times=times, cond=cond, prompts=list(plan.prompts),
                       meta=list(plan.meta), tail_start=None if last is None else last + 1,
-                      tail_times=tail, kept=kept, kept_gib=step_bytes * len(kept) / 2**30 if kept else 0.0,
-                      kept_refused=refused)
+                      tail_times=tail, kept=kept, kept_gib=keeper.step_bytes * len(kept) / 2**30 if kept else 0.0,
+                      kept_refused=keeper.refused)
 
 
 @torch.no_grad()

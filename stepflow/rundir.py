@@ -153,27 +153,37 @@ def _flat(d, prefix: str = "") -> dict:
 
 
 def _effective(container: dict) -> dict:
-    """The typed groups of a training config as their dataclasses resolve them: a field a later stepflow added is
-    its default, a null that resolves per option is its value (``sampler.eta`` null → the sampler's own η). A group
-    its dataclass no longer accepts stays as written (the comparison then names it)."""
+    """The typed groups of a training config as they resolve: ``loop`` and ``train`` through their dataclasses (a
+    field a later stepflow added is its default), the parts (sampler, advantage, objective, window) through their
+    classes (every field the built part holds, defaults included, and its ``_target_``). A group that no longer
+    builds stays as written (the comparison then names it)."""
     import dataclasses
 
-    from stepflow.advantage import AdvantageConfig
-    from stepflow.config import LoopConfig, ObjectiveConfig, TrainConfig
-    from stepflow.sde import SamplerConfig
-    from stepflow.window import WindowConfig
+    from stepflow.config import LoopConfig, TrainConfig
+    from stepflow.core.parts import build_part
+    from stepflow.errors import StepflowError
 
     if "loop" not in container and "train" not in container:  # not a training config (pretrain's): as written
         return container
     out = dict(container)
-    for key, cls in (("loop", LoopConfig), ("train", TrainConfig), ("sampler", SamplerConfig),
-                     ("advantage", AdvantageConfig), ("objective", ObjectiveConfig), ("window", WindowConfig)):
+    for key, cls in (("loop", LoopConfig), ("train", TrainConfig)):
         group = container.get(key, {})
         if isinstance(group, dict):
             try:
                 out[key] = dataclasses.asdict(cls(**group))
             except (TypeError, ValueError):
                 pass
+    for key in ("sampler", "advantage", "objective", "window"):
+        group = container.get(key)
+        if isinstance(group, dict) and group.get("_target_"):
+            try:
+                part = build_part(key, group)
+            except StepflowError:
+                continue
+            fields = {k: v for k, v in vars(part).items() if not k.startswith("_")
+                      and isinstance(v, (int, float, str, bool, type(None), list, tuple))}
+            out[key] = {"_target_": group["_target_"], **{k: list(v) if isinstance(v, tuple) else v
+                                                         for k, v in fields.items()}}
     return out
 
 
@@ -199,3 +209,45 @@ def check_resume(cfg: DictConfig, run_dir: Path, resumable: tuple[str, ...] | No
                                 "torch_threads, logger.* may change) or start a new run")
     if global_rank() == 0:
         OmegaConf.save(OmegaConf.create(new), Path(run_dir) / "config.resume.yaml")
+
+
+def resolve_ckpt(ckpt, run_dir: Path) -> Path | None:
+    """``ckpt_path``: a file, or ``auto`` = ``<run dir>/checkpoints/last.ckpt`` when it exists (a requeued job resumes
+    itself; a first start begins fresh)."""
+    if not ckpt:
+        return None
+    if str(ckpt) == "auto":
+        last = run_dir / "checkpoints" / "last.ckpt"
+        return last if last.is_file() else None
+    ckpt = Path(str(ckpt)).expanduser()
+    if not ckpt.is_file():
+        raise StepflowError(f"ckpt_path: checkpoint not found: {ckpt} (point it at <run dir>/checkpoints/last.ckpt)")
+    return ckpt
+
+
+def resume_command(last: Path) -> str:
+    """The command line that resumes this run: the original overrides plus ``ckpt_path``."""
+    try:
+        from hydra.core.hydra_config import HydraConfig
+
+        overrides = [o for o in HydraConfig.get().overrides.task if not o.startswith(("ckpt_path=", "hydra."))]
+    except (ValueError, ImportError):  # not under a Hydra entry point (tests, notebooks)
+        overrides = []
+    return " ".join(["python -m stepflow.train", *overrides, f"ckpt_path={last}"])
+
+
+def summary_line(history: list[dict], run_dir: Path) -> str:
+    """One line for the end of a run: iterations, held-out metrics first -> last, NFEs and where the outputs are."""
+    evals = [h for h in history if any(k.startswith("eval/") for k in h)]
+    keys = sorted({k for h in evals for k in h if k.startswith("eval/") and not k.startswith("eval/geneval_")})
+    parts = []
+    for k in keys:
+        at = [(int(h["iteration"]), h[k]) for h in evals if k in h]
+        if at:
+            since = f" (from iteration {at[0][0]})" if at[0][0] else ""  # eval.at_start=false: no base evaluation
+            parts.append(f"{k} {at[0][1]:.3f} -> {at[-1][1]:.3f} ({at[-1][1] - at[0][1]:+.3f}{since})")
+    its = max((int(h["iteration"]) for h in history), default=0)
+    nfe = max((h.get("cost/nfe_total", 0) for h in history), default=0)
+    secs = sum(h.get("time/iteration_s", 0.0) for h in history)
+    head = f"stepflow: {its} iterations, {secs:.0f} s training, {int(nfe):,} NFEs"
+    return "; ".join([head, *parts, f"outputs in {run_dir}"])

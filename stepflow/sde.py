@@ -17,9 +17,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
+
+if TYPE_CHECKING:
+    from stepflow.samplers.base import Sampler
 
 __all__ = [
     "time_grid",
@@ -30,9 +35,12 @@ __all__ = [
     "SAMPLERS",
     "DDIM_SCHEDULES",
     "LOGPROBS",
-    "DEFAULT_LOGPROB",
     "sde_step",
     "step_std",
+    "flow_sde_std",
+    "dance_sde_std",
+    "ddim_sde_std",
+    "cps_std",
     "flow_sde_step",
     "dance_sde_step",
     "ddim_sde_step",
@@ -41,16 +49,10 @@ __all__ = [
     "gaussian_log_prob",
 ]
 
-SAMPLERS = ("flow_sde", "dance_sde", "ddim_sde", "cps", "ode", "dpm2")
+#: the package's config directory (``conf/<group>/<option>.yaml``)
+CONF_DIR = Path(__file__).resolve().parent / "conf"
 DDIM_SCHEDULES = ("eta_s_sqrt1mt", "eta_s", "eta_t_sqrt1mt")
 LOGPROBS = ("gaussian", "cps_constfree")
-#: each sampler's log-prob convention when ``SamplerConfig.logprob`` is None (FlowCPS uses the constant-free one)
-DEFAULT_LOGPROB = {"flow_sde": "gaussian", "dance_sde": "gaussian", "ddim_sde": "gaussian", "cps": "cps_constfree",
-                   "ode": "gaussian", "dpm2": "gaussian"}
-#: each sampler's η when ``SamplerConfig.eta`` is None: DanceGRPO's released 0.3 for ``dance_sde``, the paper's 0.9
-#: for the DDIM schedules and CPS (ignored by the others)
-DEFAULT_ETA = {"dance_sde": 0.3}
-_ETA = 0.9
 #: the sampling grids of ``loop.time_grid``: the policy's own (diffusers' scheduler) or FastVideo's (DanceGRPO)
 TIME_GRIDS = ("model", "fastvideo")
 _HALF_LOG_2PI = 0.5 * math.log(2.0 * math.pi)
@@ -126,54 +128,17 @@ class StepOut:
     kl_scale: Tensor
 
 
-@dataclass
-class SamplerConfig:
-    """Sampler choice and its parameters (method.md §2, §3).
+def SamplerConfig(name: str, **fields: Any) -> Sampler:  # noqa: N802 - the name of the old config class
+    """The sampler of option ``name`` (``conf/sampler/<name>.yaml``: its ``_target_`` class, with the YAML's fields
+    updated by ``fields``), for code and tests that build a sampler by its option name.
+    See :class:`stepflow.samplers.base.Sampler` and :mod:`stepflow.samplers`."""
+    from stepflow.core.parts import CONF_DIR, from_option
 
-    name:     ``flow_sde`` (Flow-GRPO, §2) | ``dance_sde`` (DanceGRPO, §2.1) | ``ddim_sde`` (§3.1) |
-              ``cps`` (FlowCPS, §3.3) | ``ode`` (Euler) |
-              ``dpm2`` (DiffusionNFT's deterministic multistep DPM-Solver++(2M) on x̂0, :mod:`stepflow.solvers`;
-              :func:`stepflow.rollout.rollout` keeps the previous x̂0 it needs; ``a``, ``eta``, ``schedule``,
-              ``first_step_guard`` and ``logprob`` do not affect ``ode`` or ``dpm2``).
-    a:        Flow-GRPO noise level, ``σ_d = a·sqrt(t/(1−t))``.
-    eta:      DDIM η (``σ = η·s·...``), CPS η (``std = s·sin(η·π/2)``), both in [0, 1], and DanceGRPO's constant
-              diffusion coefficient η (``std = η·sqrt(Δt)``, >= 0); ``None`` = the sampler's own default
-              (:data:`DEFAULT_ETA`: 0.3 for ``dance_sde``, else 0.9), so Python and YAML defaults agree.
-    schedule: DDIM noise schedule: ``eta_s_sqrt1mt`` σ = η s √(1−t) (default) | ``eta_s`` σ = η s (B.2-a) |
-              ``eta_t_sqrt1mt`` σ = η t √(1−t) (x̂1 coefficient clamped with sqrt(max(·, 0))).
-    first_step_guard: DDIM only; inside √(1−t) replace t = 1 by ``t_guard`` (= τ_1) so step 0 is stochastic.
-    logprob:  ``gaussian`` (mean-over-dims Gaussian log-density) | ``cps_constfree`` (−mean_dims (x_s − μ)²);
-              ``None`` = the sampler's own convention (:data:`DEFAULT_LOGPROB`: FlowCPS's constant-free one for
-              ``cps``, the Gaussian for the others), so Python and YAML defaults agree.
-    """
+    return from_option("sampler", name, [CONF_DIR], key="name", **fields)
 
-    name: str = "ddim_sde"
-    a: float = 0.7
-    eta: float | None = None
-    schedule: str = "eta_s_sqrt1mt"
-    first_step_guard: bool = False
-    logprob: str | None = None
 
-    def __post_init__(self) -> None:
-        if self.name not in SAMPLERS:
-            raise ValueError(f"name: must be one of {SAMPLERS}, got {self.name!r}")
-        if self.logprob is None:
-            self.logprob = DEFAULT_LOGPROB[self.name]
-        if self.eta is None:
-            self.eta = DEFAULT_ETA.get(self.name, _ETA)
-        if self.schedule not in DDIM_SCHEDULES:
-            raise ValueError(f"schedule: must be one of {DDIM_SCHEDULES}, got {self.schedule!r}")
-        if self.logprob not in LOGPROBS:
-            raise ValueError(f"logprob: must be one of {LOGPROBS}, got {self.logprob!r}")
-        if not (isinstance(self.a, (int, float)) and math.isfinite(self.a) and self.a >= 0):
-            raise ValueError(f"a: must be a finite float >= 0, got {self.a!r}")
-        if self.name == "dance_sde":
-            if not (isinstance(self.eta, (int, float)) and math.isfinite(self.eta) and self.eta >= 0):
-                raise ValueError(f"eta: must be a finite float >= 0 for dance_sde, got {self.eta!r}")
-        elif not (isinstance(self.eta, (int, float)) and 0.0 <= self.eta <= 1.0):
-            raise ValueError(f"eta: must be a float in [0, 1], got {self.eta!r}")
-        if not isinstance(self.first_step_guard, bool):
-            raise ValueError(f"first_step_guard: must be a bool, got {self.first_step_guard!r}")
+#: the package's sampler options (``conf/sampler/*.yaml``)
+SAMPLERS = tuple(sorted(p.stem for p in (CONF_DIR / "sampler").glob("*.yaml")))
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -277,25 +242,30 @@ def _ddim_sigma(t: Tensor, s: Tensor, eta: float, schedule: str, first_step_guar
     raise ValueError(f"schedule: must be one of {DDIM_SCHEDULES}, got {schedule!r}")
 
 
-def step_std(cfg: SamplerConfig, t, t_next, t_guard=None) -> Tensor:
-    """Per-step std of ``cfg``'s sampler from ``t`` to ``t_next`` (method.md §2, §3.3 table).
+def flow_sde_std(t: Tensor, s: Tensor, a: float, t_guard=None) -> Tensor:
+    """Flow-GRPO's per-step std ``σ_d·sqrt(Δt)`` (method.md §2). t, s: fp32 tensors of one shape."""
+    return _flow_sigma_d(t, a, t_guard) * torch.sqrt(t - s)
 
-    t, t_next: floats, 0-d or (B,) tensors.  Returns an fp32 tensor of their broadcast shape.
-    flow_sde: ``σ_d·sqrt(Δt)``; dance_sde: ``η·sqrt(Δt)``; ddim_sde: σ of ``cfg.schedule``; cps: ``s·sin(η π/2)``;
-    ode, dpm2: 0.
-    """
-    t = _as_time(t, None)
-    s = _as_time(t_next, None)
-    t, s = torch.broadcast_tensors(t, s)
-    if cfg.name == "flow_sde":
-        return _flow_sigma_d(t, cfg.a, t_guard) * torch.sqrt(t - s)
-    if cfg.name == "dance_sde":
-        return cfg.eta * torch.sqrt(t - s)
-    if cfg.name == "ddim_sde":
-        return _ddim_sigma(t, s, cfg.eta, cfg.schedule, cfg.first_step_guard, t_guard)
-    if cfg.name == "cps":
-        return s * math.sin(cfg.eta * math.pi / 2.0)
-    return torch.zeros_like(t)
+
+def dance_sde_std(t: Tensor, s: Tensor, eta: float) -> Tensor:
+    """DanceGRPO's per-step std ``η·sqrt(Δt)`` (method.md §2.1). t, s: fp32 tensors of one shape."""
+    return eta * torch.sqrt(t - s)
+
+
+def ddim_sde_std(t: Tensor, s: Tensor, eta: float, schedule: str, first_step_guard: bool, t_guard=None) -> Tensor:
+    """The DDIM per-step std σ of ``schedule`` (method.md §3.3 table). t, s: fp32 tensors of one shape."""
+    return _ddim_sigma(t, s, eta, schedule, first_step_guard, t_guard)
+
+
+def cps_std(t: Tensor, s: Tensor, eta: float) -> Tensor:
+    """FlowCPS's per-step std ``s·sin(η π/2)`` (method.md §3.3). t, s: fp32 tensors of one shape."""
+    return s * math.sin(eta * math.pi / 2.0)
+
+
+def step_std(sampler: Sampler, t, t_next, t_guard=None) -> Tensor:
+    """Per-step std of ``sampler`` from ``t`` to ``t_next``: ``sampler.std(t, t_next, t_guard)`` (method.md §2, §3.3
+    table). t, t_next: floats, 0-d or (B,) tensors.  Returns an fp32 tensor of their broadcast shape."""
+    return sampler.std(t, t_next, t_guard)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -358,7 +328,7 @@ def ddim_sde_step(x: Tensor, v: Tensor, t, t_next, *, eta: float = 0.9, schedule
                   logprob: str = "gaussian") -> StepOut:
     """DDIM-style SDE step (method.md §3.1, §3.3; paper Sec. 5.5 / App. B).
 
-    ``x_s = (1−s)·x̂0 + sqrt((s² − σ²)₊)·x̂1 + σ·ε`` with σ from ``schedule`` (see :class:`SamplerConfig`).
+    ``x_s = (1−s)·x̂0 + sqrt((s² − σ²)₊)·x̂1 + σ·ε`` with σ from ``schedule`` (see :class:`stepflow.samplers.DdimSde`).
     x, v: (B, ...); t, t_next: float / 0-d / (B,).  ``kl_scale = std = σ``.
     """
     x, v, t, s = _prep(x, v, t, t_next)
@@ -392,28 +362,13 @@ def ode_step(x: Tensor, v: Tensor, t, t_next, *, prev_sample: Tensor | None = No
     return StepOut(next=nxt, mean=mean, std=zero, log_prob=zero.clone(), trainable=zero > 0, kl_scale=zero.clone())
 
 
-def sde_step(cfg: SamplerConfig, x: Tensor, v: Tensor, t, t_next, *, t_guard=None, noise: Tensor | None = None,
+def sde_step(sampler: Sampler, x: Tensor, v: Tensor, t, t_next, *, t_guard=None, noise: Tensor | None = None,
              prev_sample: Tensor | None = None, generator: torch.Generator | None = None) -> StepOut:
-    """One step of ``cfg``'s sampler from ``t`` to ``t_next`` (dispatch; see the per-sampler functions).
+    """One step of ``sampler`` from ``t`` to ``t_next``: ``sampler.step(...)`` (see the per-sampler functions).
 
     x, v: (B, ...) (promoted to fp32); t, t_next: float, 0-d or (B,) tensors; ``t_guard`` = τ_1 of the grid.
     If ``prev_sample`` is given it becomes ``next`` and the log-prob is evaluated at it (recomputing log π_θ with
     gradients through ``v``); otherwise ``next = mean + std·noise`` (``noise ~ N(0, I)`` from ``generator`` if None).
-
-    ``dpm2`` is a multistep solver and one step alone has no previous x̂0: here it takes the Euler step of ``ode``
-    (= its own first-order step, DDIM η = 0, up to rounding; std 0, no density).  Its multistep rollout is
-    :func:`stepflow.rollout.rollout` with :func:`stepflow.solvers.dpm2_step`.
+    A multistep sampler (dpm2) takes its one-step form here (Euler); its rollout is :func:`stepflow.rollout.rollout`.
     """
-    common = dict(noise=noise, prev_sample=prev_sample, generator=generator, logprob=cfg.logprob)
-    if cfg.name == "flow_sde":
-        return flow_sde_step(x, v, t, t_next, a=cfg.a, t_guard=t_guard, **common)
-    if cfg.name == "dance_sde":
-        return dance_sde_step(x, v, t, t_next, eta=cfg.eta, **common)
-    if cfg.name == "ddim_sde":
-        return ddim_sde_step(x, v, t, t_next, eta=cfg.eta, schedule=cfg.schedule,
-                             first_step_guard=cfg.first_step_guard, t_guard=t_guard, **common)
-    if cfg.name == "cps":
-        return cps_step(x, v, t, t_next, eta=cfg.eta, **common)
-    if cfg.name == "ode" or cfg.name == "dpm2":
-        return ode_step(x, v, t, t_next, prev_sample=prev_sample)
-    raise ValueError(f"name: must be one of {SAMPLERS}, got {cfg.name!r}")
+    return sampler.step(x, v, t, t_next, t_guard=t_guard, noise=noise, prev_sample=prev_sample, generator=generator)

@@ -151,7 +151,8 @@ def test_assigner_schemes_compose_the_primitives():
         ("gae", group_normalize(gae(g, 1.0, 0.9), ids)),
         ("uniform", uniform_advantages(r[:, -1], ids, 5)),
     ]:
-        out = AdvantageEstimator(AdvantageConfig(scheme=scheme))(r, ids, 5)
+        # each option as its YAML defines it, with the group std (uniform's YAML sets Flow-GRPO's global std)
+        out = AdvantageEstimator(AdvantageConfig(scheme=scheme, std_scope="group"))(r, ids, 5)
         torch.testing.assert_close(out.advantages, ref.clamp(-5, 5), msg=scheme)
         assert out.advantages.dtype == torch.float32 and out.advantages.shape == (8, 5)
         assert (out.gains is None) == (scheme == "uniform")
@@ -230,8 +231,8 @@ def test_gathered_rows_in_any_order():
 
 @pytest.mark.parametrize("kwargs,field", [
     (dict(scheme="ppo"), "scheme"), (dict(std_scope="batch"), "std_scope"), (dict(norm="global"), "norm"),
-    (dict(eps=-1.0), "eps"), (dict(adv_clip=0.0), "adv_clip"), (dict(ema_alpha=1.0), "ema_alpha"),
-    (dict(gamma=1.5), "gamma"), (dict(lam=-0.1), "lam"),
+    (dict(eps=-1.0), "eps"), (dict(adv_clip=0.0), "adv_clip"), (dict(scheme="gain_ema", ema_alpha=1.0), "ema_alpha"),
+    (dict(scheme="gae", gamma=1.5), "gamma"), (dict(scheme="gae", lam=-0.1), "lam"),
 ])
 def test_bad_credit_config(kwargs, field):
     with pytest.raises(ValueError) as err:
@@ -269,5 +270,7 @@ def test_over_trained_normalises_the_trained_steps_jointly_and_reads_only_their_
     torch.testing.assert_close(one[:, 2], per[:, 2])
     assert float(one[:, [0, 1, 3, 4]].abs().max()) == 0.0
     # schemes that read every step's gain keep the normalisation over all steps
-    gae_cfg = AdvantageConfig(scheme="gae", over="trained")
-    assert gae_cfg.effective_over == "all" and AdvantageEstimator(gae_cfg).states_needed([1], 5) == list(range(6))
+    with pytest.raises(ValueError, match="^over: advantage=gae takes no field 'over'"):
+        AdvantageConfig(scheme="gae", over="trained")
+    gae_cfg = AdvantageConfig(scheme="gae")
+    assert getattr(gae_cfg, "over", "all") == "all" and AdvantageEstimator(gae_cfg).states_needed([1], 5) == list(range(6))

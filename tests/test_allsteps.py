@@ -32,6 +32,118 @@ def test_window_kinds():
         WindowConfig("bogus")
 
 
+#: each built-in window: its class, its YAML's fields (= the class's defaults), union(10), keeps_states, and the
+#: smallest grid it fits (check(T) passes at T, raises the fit message below)
+WINDOW_BUILT_INS = {
+    "none": ("NoWindow", {}, None, True, 1),
+    "fixed": ("Fixed", dict(start=0, size=3), [0, 1, 2], True, 3),
+    "sliding": ("Sliding", dict(start=0, size=3, stride=1, every=10), list(range(10)), True, 3),
+    "random": ("Random", dict(start=0, size=3), list(range(10)), True, 3),
+    "random_start": ("RandomStart", dict(start=0, end=5, size=3), [0, 1, 2, 3, 4], True, 5),
+    "mixgrpo": ("MixGrpo", dict(start=0, size=4, stride=1, every=25, roll_back=True, post_solver="euler",
+                                post_compress_ratio=0.4), list(range(8)), True, 3),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(WINDOW_BUILT_INS))
+def test_each_built_in_window_is_its_yaml_target(kind):
+    """WindowConfig(kind) builds conf/window/<kind>.yaml's _target_ with the YAML's fields (the class's defaults);
+    union, keeps_states and check of each built-in; a field it does not take is a one-line error."""
+    import dataclasses
+
+    from omegaconf import OmegaConf
+
+    import stepflow.windows as windows
+    from stepflow.sde import CONF_DIR
+    from stepflow.window import WINDOWS
+
+    cls_name, fields, union, keeps, smallest = WINDOW_BUILT_INS[kind]
+    cls = getattr(windows, cls_name)
+    yaml = OmegaConf.to_container(OmegaConf.load(CONF_DIR / "window" / f"{kind}.yaml"))
+    assert "kind" not in yaml and yaml.pop("_target_") == f"{cls.__module__}.{cls.__qualname__}" and yaml == fields
+    w = WindowConfig(kind)
+    assert type(w) is cls and isinstance(w, windows.Window) and w == cls() and dataclasses.asdict(w) == fields
+    assert (w.name, w.describe(), w.union(10), w.keeps_states) == (kind, kind, union, keeps)
+    assert kind in WINDOWS and set(WINDOWS) == set(WINDOW_BUILT_INS)
+    w.check(smallest)
+    assert w.tail(torch.linspace(1, 0, 11), w.steps(0, 10, 0), 1.0) is None  # only a dpmpp2m post_solver has a tail
+    if smallest > 1:
+        with pytest.raises(ValueError) as err:
+            w.check(smallest - 1)
+        msg = str(err.value)
+        assert msg.startswith("window.") and "\n" not in msg and msg == _first_error(w, smallest - 1)
+    with pytest.raises(ValueError, match=f"^bogus: window={kind} takes no field 'bogus'"):
+        WindowConfig(kind, bogus=1)
+
+
+def _first_error(w, num_steps: int) -> str:
+    try:
+        window_steps(w, 0, num_steps, 0)
+    except ValueError as e:
+        return str(e)
+    raise AssertionError("no error")
+
+
+def test_window_union_holds_every_step_drawn():
+    """union(T) is every step the window can hold over a run: each iteration's steps lie in it (and for the
+    deterministic windows the run reaches all of it)."""
+    cases = [WindowConfig("fixed", start=2, size=3), WindowConfig("sliding", start=1, size=3, stride=2, every=5),
+             WindowConfig("random", start=1, size=4), WindowConfig("random_start", start=0, end=5, size=3),
+             WindowConfig("random_start", start=4, size=2, end=None),
+             WindowConfig("mixgrpo", size=4, every=3, stride=1, roll_back=True),
+             WindowConfig("mixgrpo", start=2, size=3, every=2, stride=2, roll_back=False)]
+    for w in cases:
+        union = w.union(10)
+        seen = set()
+        for it in range(400):
+            steps = window_steps(w, it, 10, seed=5)
+            assert set(steps) <= set(union), (w, it, steps, union)
+            seen |= set(steps)
+        assert seen == set(union), (w, sorted(seen), union)
+    assert WindowConfig("random_start", start=2, end=30).union(10) == list(range(2, 10))  # cut at the grid's end
+    assert WindowConfig("none").union(10) is None and window_steps(WindowConfig("none"), 3, 10) is None
+
+
+def test_window_keeps_states_and_tail_follow_the_post_solver():
+    """Only MixGRPO-Flash's dpmpp2m post_solver leaves the grid after the window (keeps_states False, a tail); a
+    post_solver is MixGRPO's field only."""
+    from stepflow.solvers import flash_grid
+
+    grid = torch.linspace(1, 0, 11)
+    flash = WindowConfig("mixgrpo", post_solver="dpmpp2m", post_compress_ratio=0.5)
+    assert not flash.keeps_states and WindowConfig("mixgrpo").keeps_states
+    torch.testing.assert_close(flash.tail(grid, [2, 3], 1.0), flash_grid(grid, 3, 0.5, 1.0)[4:], rtol=0, atol=0)
+    assert flash.tail(grid, [], 1.0) is None and flash.tail(grid, None, 1.0) is None
+    for kind in ("none", "fixed", "sliding", "random", "random_start"):
+        with pytest.raises(ValueError, match=f"^post_solver: window={kind} takes no field"):
+            WindowConfig(kind, post_solver="dpmpp2m")
+    with pytest.raises(ValueError, match="^post_solver: must be one of euler, dpmpp2m"):
+        WindowConfig("mixgrpo", post_solver="dpm")
+
+
+def test_a_window_of_ones_own_is_a_subclass():
+    """A researcher's window: a Window subclass (its name defaults to the class name); check() defaults to what its
+    first iteration's steps raise, tail to None, keeps_states to True."""
+    from stepflow.windows import Window
+
+    class EveryOther(Window):
+        def steps(self, iteration, num_steps, seed=0):
+            if num_steps < 2:
+                raise ValueError(f"window.num_steps: needs 2 steps, got {num_steps}")
+            return list(range(iteration % 2, num_steps, 2))
+
+        def union(self, num_steps):
+            return list(range(num_steps))
+
+    w = EveryOther()
+    assert (w.name, w.describe(), w.keeps_states, w.tail(torch.zeros(3), [0], 1.0)) == (
+        "everyother", "everyother", True, None)
+    assert window_steps(w, 1, 6) == [1, 3, 5]
+    w.check(2)
+    with pytest.raises(ValueError, match="^window.num_steps"):
+        w.check(1)
+
+
 def test_random_start_window_is_flow_grpo_fasts():
     """Flow-GRPO-Fast's window: ``start = random.randint(lo, hi - size)`` (both ends included), ``size`` consecutive
     steps, so with window_range (0, 5) and size 3 exactly the windows 0-2, 1-3, 2-4 occur, each about a third of the
@@ -43,8 +155,8 @@ def test_random_start_window_is_flow_grpo_fasts():
     assert all(70 <= c <= 130 for c in counts), counts  # binomial(300, 1/3): sd 8.2
     assert draws == [window_steps(fast, it, 10, seed=1) for it in range(300)]
     assert draws != [window_steps(fast, it, 10, seed=2) for it in range(300)]
-    assert {tuple(window_steps(WindowConfig("random_start", start=4, size=2), it, 10)) for it in range(200)} == \
-        {(k, k + 1) for k in range(4, 9)}  # end null = T
+    assert {tuple(window_steps(WindowConfig("random_start", start=4, size=2, end=None), it, 10))
+            for it in range(200)} == {(k, k + 1) for k in range(4, 9)}  # end null = T
     with pytest.raises(ValueError, match="end: must be null or an integer >= start \\+ size"):
         WindowConfig("random_start", start=3, end=5, size=3)
     with pytest.raises(ValueError, match="past the 10-step grid"):

@@ -146,8 +146,8 @@ def test_completion_rewards_are_the_rewards_of_ode_completed_states(tmp_path):
     """advantage.reward_source=completion: the estimate phase completes each needed state by the Euler ODE on the
     rest of the grid; on an ODE rollout every state's completion is the rollout's own final image (so every gain is
     0), and on an SDE rollout it equals an Euler loop written here."""
-    from stepflow.algorithm import _estimate, states_needed
     from stepflow.rollout import rollout
+    from stepflow.rollouts.trajectory import estimate, states_needed
     from stepflow.train import build_module
 
     for sampler in ("ode", "flow_sde"):
@@ -159,7 +159,7 @@ def test_completion_rewards_are_the_rewards_of_ode_completed_states(tmp_path):
         need = states_needed(lr, [0, 1, 2, 3], 0)
         assert need == [0, 1, 2, 3, 4]
         n0 = lr.policy.nfe
-        x0 = _estimate(lr, traj, need)
+        x0 = estimate(lr, traj, need, lr.advantage.completes_states)
         assert lr.policy.nfe - n0 == traj.batch_size * (4 + 3 + 2 + 1)  # T − k per state
         if sampler == "ode":
             for k in need:

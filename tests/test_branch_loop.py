@@ -311,19 +311,20 @@ def test_turning_point_reads_the_pure_ode_image_and_the_completions(tmp_path, mo
     """With reward_source=completion the rewards the credit reads are R_0 = the image of a pure-ODE rollout from the
     same noise, R_t = the rollout's X_t completed by the ODE, R_T = the rollout's own image."""
     import stepflow.algorithm as alg
+    import stepflow.rollouts.trajectory as strategy
     from stepflow.rollout import rollout
     from stepflow.sde import SamplerConfig
 
     m = _module(tmp_path, "advantage=turning_point", "window=fixed", "window.size=3", "sampler=cps")
     lr = m.learner
     seen = {}
-    real = alg.finite_advantages
+    real = strategy.finite_advantages
 
     def spy(learner, rewards, *a, **kw):
         seen["r"] = rewards.clone()
         return real(learner, rewards, *a, **kw)
 
-    monkeypatch.setattr(alg, "finite_advantages", spy)
+    monkeypatch.setattr(strategy, "finite_advantages", spy)
     res = alg.iteration(lr, 0)
     plan = lr.plan.plan(0)
     with torch.no_grad():
@@ -369,4 +370,4 @@ def test_league_recipes_compose_as_released():
     p = settings(compose_config("train", ["experiment=league/tpgrpo"]))
     assert (p.advantage.scheme, p.advantage.reward_source, p.sampler.name, p.sampler.eta) == (
         "turning_point", "completion", "cps", 0.7)
-    assert (p.window.kind, p.window.start, p.window.size, p.train.clip_eps) == ("fixed", 0, 9, 1e-5)
+    assert (p.window.name, p.window.start, p.window.size, p.train.clip_eps) == ("fixed", 0, 9, 1e-5)

@@ -198,6 +198,7 @@ def test_subset_counts_and_row_independence():
 def _grads_of_update(m, traj, adv, seeds):
     """The gradient the update would step with (the optimizer step is skipped), flattened."""
     import stepflow.algorithm as alg
+    import stepflow.core.update as upd
 
     lr = m.learner
     params = list(lr.policy.trainable_parameters())
@@ -207,12 +208,12 @@ def _grads_of_update(m, traj, adv, seeds):
         got.append(torch.cat([p.grad.flatten().clone() for p in ps]))
         return None
 
-    orig = alg.clip_and_step
-    alg.clip_and_step = capture
+    orig = upd.clip_and_step
+    upd.clip_and_step = capture
     try:
         res = alg.update(lr, traj, adv, None, 0, seeds=seeds)
     finally:
-        alg.clip_and_step = orig
+        upd.clip_and_step = orig
     for p in params:
         p.grad = None
     return got[0], res
@@ -335,7 +336,7 @@ def test_unbiased_group_std_by_hand():
     torch.testing.assert_close(got[:, 0], released)
     pop = math.sqrt(14 / 4)
     assert uniform_advantages(r, gid, 1, eps=1e-8)[0, 0].item() == pytest.approx(-2 / (pop + 1e-8), rel=1e-6)
-    est = AdvantageEstimator(AdvantageConfig(scheme="uniform", eps=1e-8, unbiased_std=True))
+    est = AdvantageEstimator(AdvantageConfig(scheme="uniform", eps=1e-8, unbiased_std=True, std_scope="group"))
     rewards = torch.full((8, 4), float("nan"))
     rewards[:, -1] = r
     out = est(rewards, gid, 3)
@@ -374,7 +375,7 @@ def test_the_defaults_are_off_and_the_league_config_is_the_released_recipe():
     s = settings(compose_config("train"))
     assert s.train.step_subset is None and s.loop.time_grid == "model" and s.advantage.unbiased_std is False
     d = settings(compose_config("train", ["experiment=league/dancegrpo"]))
-    assert (d.sampler.name, d.sampler.eta, d.loop.time_grid, d.window.kind) == ("dance_sde", 0.3, "fastvideo", "none")
+    assert (d.sampler.name, d.sampler.eta, d.loop.time_grid, d.window.name) == ("dance_sde", 0.3, "fastvideo", "none")
     assert (d.train.step_subset, d.train.step_fraction, d.train.timestep_fraction) == ("random_per_sample", 0.6, 0.99)
     assert d.train.train_steps is None and d.train.clip_eps == 1e-4 and d.train.beta_kl == 0.0
     assert (d.advantage.scheme, d.advantage.std_scope, d.advantage.eps, d.advantage.unbiased_std) == (

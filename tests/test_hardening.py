@@ -309,25 +309,24 @@ def test_a_resume_with_other_settings_keeps_the_original_config(tmp_path):
 
 
 def test_a_run_written_before_a_field_existed_resumes(tmp_path):
-    """A run whose config.yaml predates fields added since (the objective group, window.roll_back, loop.time_grid)
-    and spells a per-sampler default out (sampler.eta 0.9 where it is now null) resumes: settings compare as their
-    typed groups resolve them. A setting that really changed is still refused."""
+    """A run whose config.yaml predates fields added since (a part's field: sampler.first_step_guard,
+    objective.same_latent; loop.time_grid) resumes: settings compare as their typed groups and their parts resolve
+    them (a missing field is its default). A setting that really changed is still refused."""
     import yaml
 
     from stepflow.train import run
 
     run(compose_config("train", ["experiment=smoke", "loop.iterations=1"]), tmp_path)
     saved = yaml.safe_load((tmp_path / "config.yaml").read_text())
-    saved.pop("objective")
-    saved["window"].pop("roll_back")
+    saved["objective"].pop("same_latent")
+    saved["sampler"].pop("first_step_guard")
     saved["loop"].pop("time_grid")
-    saved["sampler"]["eta"] = 0.9
     (tmp_path / "config.yaml").write_text(yaml.safe_dump(saved))
     ckpt = tmp_path / "checkpoints" / "last.ckpt"
     with pytest.raises(StepflowError, match=r"changes sampler\.eta"):
         run(compose_config("train", ["experiment=smoke", "loop.iterations=2", "sampler.eta=0.5", f"ckpt_path={ckpt}"]),
             tmp_path)
-    with pytest.raises(StepflowError, match=r"changes objective\.name"):
+    with pytest.raises(StepflowError, match=r"changes objective\._target_"):
         run(compose_config("train", ["experiment=smoke", "loop.iterations=2", "objective=nft", f"ckpt_path={ckpt}"]),
             tmp_path)
     module = run(compose_config("train", ["experiment=smoke", "loop.iterations=2", f"ckpt_path={ckpt}"]), tmp_path)

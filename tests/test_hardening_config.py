@@ -42,7 +42,7 @@ def test_first_non_finite_names_the_key_and_the_list_index():
     ("train.lr=inf", "train.lr"), ("train.beta_kl=inf", "train.beta_kl"), ("lora.alpha=inf", "lora.alpha"),
     ("eval.guidance=inf", "eval.guidance"), ("loop.guidance=nan", "loop.guidance"),
     ("train.max_grad_norm=-inf", "train.max_grad_norm"), ("train.betas=[0.9,inf]", "train.betas[1]"),
-    ("sampler.a=nan", "sampler.a"), ("loop.max_nonfinite_frac=nan", "loop.max_nonfinite_frac"),
+    ("sampler.eta=nan", "sampler.eta"), ("loop.max_nonfinite_frac=nan", "loop.max_nonfinite_frac"),
     ("+model.eval_guidance=inf", "model.eval_guidance"), ("+reward.scale=inf", "reward.scale"),
 ])
 def test_a_non_finite_value_of_any_training_field_is_refused(override, field):

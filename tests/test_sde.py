@@ -4,6 +4,7 @@ torch.distributions, and Monte-Carlo sampling of Gaussian data with the exact ve
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
@@ -12,9 +13,13 @@ import torch
 from diffusers import FlowMatchEulerDiscreteScheduler
 from torch.distributions import Normal
 
+from stepflow.samplers import Cps, DanceSde, DdimSde, Dpm2, FlowSde, Ode, Sampler
 from stepflow.sde import (
+    CONF_DIR,
+    SAMPLERS,
     SamplerConfig,
     cps_step,
+    dance_sde_step,
     ddim_sde_step,
     flow_sde_step,
     ode_step,
@@ -168,7 +173,7 @@ def _random_batch(b=6, shape=(3, 4, 4), seed=1):
     return x, v, g[ks], g[ks + 1], g
 
 
-@pytest.mark.parametrize("cfg", STOCHASTIC, ids=lambda c: f"{c.name}-{c.schedule}")
+@pytest.mark.parametrize("cfg", STOCHASTIC, ids=lambda c: c.describe())
 def test_mean_matches_xhat_form(cfg):
     """μ = (1−s)·x̂0 + c·x̂1 with c from method.md (flow: s − σ_d²Δt/(2t); DDIM/CPS: sqrt((s²−σ²)₊))."""
     x, v, t, s, g = _random_batch()
@@ -199,7 +204,7 @@ def test_flow_sde_mean_matches_flow_grpo_drift_form():
                                  SamplerConfig("ddim_sde", eta=0.0, schedule="eta_s"),
                                  SamplerConfig("ddim_sde", eta=0.0, schedule="eta_t_sqrt1mt"),
                                  SamplerConfig("cps", eta=0.0), SamplerConfig("ode")],
-                         ids=lambda c: f"{c.name}-{c.schedule}")
+                         ids=lambda c: c.describe())
 def test_zero_noise_is_euler(cfg):
     x, v, t, s, g = _random_batch()
     euler = x - (t - s).view(-1, 1, 1, 1) * v
@@ -211,7 +216,7 @@ def test_zero_noise_is_euler(cfg):
     assert torch.equal(out.std, torch.zeros(x.shape[0]))
 
 
-@pytest.mark.parametrize("cfg", STOCHASTIC, ids=lambda c: f"{c.name}-{c.schedule}")
+@pytest.mark.parametrize("cfg", STOCHASTIC, ids=lambda c: c.describe())
 def test_log_prob_matches_torch_normal(cfg):
     x, v, t, s, g = _random_batch()
     noise = torch.randn(x.shape, generator=torch.Generator().manual_seed(5))
@@ -254,7 +259,7 @@ def test_zero_std_rows_are_untrainable_with_zero_log_prob_and_finite_grad():
     assert grad[1].abs().sum() > 0
 
 
-@pytest.mark.parametrize("cfg", STOCHASTIC, ids=lambda c: f"{c.name}-{c.schedule}")
+@pytest.mark.parametrize("cfg", STOCHASTIC, ids=lambda c: c.describe())
 def test_log_prob_gradient_wrt_v_is_analytic(cfg):
     """∂ log π / ∂v = (x_s − μ)/(D·std²) · ∂μ/∂v, with ∂μ/∂v the scalar coefficient of v in μ (x_s held fixed)."""
     x, v, t, s, g = _random_batch()
@@ -309,14 +314,107 @@ def test_public_step_functions_match_dispatch():
 # validation
 # ------------------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("kwargs,field", [
-    (dict(name="euler"), "name"), (dict(schedule="cosine"), "schedule"), (dict(logprob="laplace"), "logprob"),
-    (dict(a=-0.1), "a"), (dict(eta=1.5), "eta"), (dict(first_step_guard="yes"), "first_step_guard"),
+    (dict(name="euler"), "name"), (dict(name="ddim_sde", schedule="cosine"), "schedule"),
+    (dict(name="ddim_sde", logprob="laplace"), "logprob"), (dict(name="flow_sde", a=-0.1), "a"),
+    (dict(name="ddim_sde", eta=1.5), "eta"), (dict(name="ddim_sde", first_step_guard="yes"), "first_step_guard"),
+    (dict(name="cps", eta=1.5), "eta"), (dict(name="cps", logprob="laplace"), "logprob"),
+    (dict(name="flow_sde", logprob="laplace"), "logprob"), (dict(name="dance_sde", logprob="laplace"), "logprob"),
+    (dict(name="flow_sde", eta=0.5), "eta"), (dict(name="ode", a=0.7), "a"), (dict(name="dpm2", schedule="eta_s"),
+                                                                            "schedule"),
 ])
 def test_bad_sampler_config(kwargs, field):
     with pytest.raises(ValueError) as err:
         SamplerConfig(**kwargs)
     msg = str(err.value)
     assert msg.startswith(f"{field}:") and "\n" not in msg
+
+
+def test_unknown_sampler_name_and_field_are_one_line_errors():
+    with pytest.raises(ValueError) as err:
+        SamplerConfig("euler")
+    assert str(err.value) == ("name: must be one of cps, dance_sde, ddim_sde, dpm2, flow_sde, ode, got 'euler'")
+    with pytest.raises(ValueError) as err:
+        SamplerConfig("flow_sde", eta=0.9)
+    assert str(err.value) == "eta: sampler=flow_sde takes no field 'eta' (its fields: a, logprob)"
+    with pytest.raises(ValueError, match="^schedule: sampler=cps takes no field 'schedule'"):
+        SamplerConfig("cps", schedule="eta_s")
+    assert set(SAMPLERS) == {p.stem for p in (CONF_DIR / "sampler").glob("*.yaml")}
+
+
+#: each built-in's class, its defaults (as the old SamplerConfig resolved them) and its capability flags
+BUILT_INS = {
+    "flow_sde": (FlowSde, dict(a=0.7, logprob="gaussian"), (True, False, "sampler.a"), "flow_sde"),
+    "dance_sde": (DanceSde, dict(eta=0.3, logprob="gaussian"), (True, False, "sampler.eta"), "dance_sde"),
+    "ddim_sde": (DdimSde, dict(eta=0.9, schedule="eta_s_sqrt1mt", first_step_guard=False, logprob="gaussian"),
+                 (True, False, "sampler.eta"), "ddim_sde (schedule eta_s_sqrt1mt)"),
+    "cps": (Cps, dict(eta=0.9, logprob="cps_constfree"), (True, False, "sampler.eta"), "cps"),
+    "ode": (Ode, {}, (False, False, None), "ode"),
+    "dpm2": (Dpm2, {}, (False, True, None), "dpm2"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(BUILT_INS))
+def test_each_built_in_is_its_yaml_target_with_the_old_defaults_and_flags(name):
+    """SamplerConfig(name) builds conf/sampler/<name>.yaml's _target_ with the YAML's fields: the class, the defaults
+    the old SamplerConfig resolved (η 0.3 for dance_sde, 0.9 otherwise; cps's constant-free log-prob) and the
+    capability flags the core asks."""
+    from omegaconf import OmegaConf
+
+    cls, defaults, (density, multistep, noise_field), described = BUILT_INS[name]
+    yaml = OmegaConf.to_container(OmegaConf.load(CONF_DIR / "sampler" / f"{name}.yaml"))
+    assert "name" not in yaml and yaml.pop("_target_") == f"{cls.__module__}.{cls.__qualname__}"
+    cfg = SamplerConfig(name)
+    assert type(cfg) is cls and isinstance(cfg, Sampler) and cfg == cls() and dataclasses.asdict(cfg) == defaults
+    assert yaml == defaults  # the YAML spells every default out
+    assert (cfg.name, cfg.has_density, cfg.multistep, cfg.noise_field, cfg.describe()) == (
+        name, density, multistep, noise_field, described)
+    assert cfg.logprob == defaults.get("logprob", "gaussian")
+    assert SamplerConfig(name, **defaults) == cfg
+
+
+@pytest.mark.parametrize("name", sorted(BUILT_INS))
+def test_each_built_in_steps_as_its_math_function(name):
+    """Sampler.step / std / rollout_step against the per-sampler functions of stepflow.sde (bit-identical), with
+    non-default fields."""
+    x, v, t, s, g = _random_batch()
+    n = torch.randn_like(x)
+    fields = {"flow_sde": dict(a=0.5), "dance_sde": dict(eta=0.7), "cps": dict(eta=0.3, logprob="gaussian"),
+              "ddim_sde": dict(eta=0.4, schedule="eta_t_sqrt1mt", first_step_guard=True)}.get(name, {})
+    cfg = SamplerConfig(name, **fields)
+    ref = {"flow_sde": lambda: flow_sde_step(x, v, t, s, a=0.5, t_guard=g[1], noise=n),
+           "dance_sde": lambda: dance_sde_step(x, v, t, s, eta=0.7, noise=n),
+           "cps": lambda: cps_step(x, v, t, s, eta=0.3, noise=n),
+           "ddim_sde": lambda: ddim_sde_step(x, v, t, s, eta=0.4, schedule="eta_t_sqrt1mt", first_step_guard=True,
+                                             t_guard=g[1], noise=n)}.get(name, lambda: ode_step(x, v, t, s))()
+    for got in (cfg.step(x, v, t, s, t_guard=g[1], noise=n), sde_step(cfg, x, v, t, s, t_guard=g[1], noise=n)):
+        for f in ("next", "mean", "std", "log_prob", "trainable", "kl_scale"):
+            assert torch.equal(getattr(got, f), getattr(ref, f)), f
+    assert torch.equal(step_std(cfg, t, s, t_guard=g[1]), ref.std) and torch.equal(cfg.std(t, s, g[1]), ref.std)
+    if not cfg.multistep:  # the rollout's step k is step(times[k], times[k + 1], t_guard=times[1])
+        xs, vs, ns = x[:1], v[:1], n[:1]
+        one = cfg.rollout_step(xs, vs, 3, g, noise=ns, x0_prev=None)
+        assert torch.equal(one.next, cfg.step(xs, vs, g[3], g[4], t_guard=g[1], noise=ns).next)
+
+
+def test_a_sampler_of_ones_own_is_a_subclass():
+    """A researcher's sampler: a Sampler subclass (its name defaults to the class name), asked through its flags."""
+
+    class HalfEuler(Sampler):
+        has_density = False
+
+        def std(self, t, t_next, t_guard=None):
+            return torch.zeros(())
+
+        def step(self, x, v, t, t_next, *, t_guard=None, noise=None, prev_sample=None, generator=None):
+            return ode_step(x, 0.5 * v, t, t_next, prev_sample=prev_sample)
+
+    g = time_grid(4, 3.0)
+    x, v = torch.randn(2, 3), torch.randn(2, 3)
+    cfg = HalfEuler()
+    assert (cfg.name, cfg.describe(), cfg.multistep, cfg.noise_field, cfg.logprob) == (
+        "halfeuler", "halfeuler", False, None, "gaussian")
+    torch.testing.assert_close(sde_step(cfg, x, v, g[1], g[2]).next, x - (g[1] - g[2]) * 0.5 * v)
+    torch.testing.assert_close(cfg.rollout_step(x, v, 1, g, noise=x, x0_prev=None).next, x - (g[1] - g[2]) * 0.5 * v)
 
 
 def test_t_equal_one_needs_guard():
@@ -407,7 +505,7 @@ def test_mc_ode_and_flow_sde_reproduce_data_moments(cfg):
     _assert_moments(x, M_DATA, V_DATA, extra_var_tol=0.015)
 
 
-@pytest.mark.parametrize("cfg", STOCHASTIC + [SamplerConfig("ode")], ids=lambda c: f"{c.name}-{c.schedule}")
+@pytest.mark.parametrize("cfg", STOCHASTIC + [SamplerConfig("ode")], ids=lambda c: c.describe())
 @pytest.mark.parametrize("steps", [10, 100])
 def test_mc_matches_exact_discrete_chain(cfg, steps):
     """Sampling with the implementation reproduces the exact moments of the discrete chain written from method.md

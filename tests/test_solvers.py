@@ -364,8 +364,12 @@ def test_dpm2_converges_faster_than_euler():
 # ----------------------------------------------------------------------------------------------------------------
 def test_sampler_name_is_registered_and_deterministic():
     assert "dpm2" in SAMPLERS
-    cfgs = [SamplerConfig("dpm2"), SamplerConfig("dpm2", a=0.1, eta=0.3, schedule="eta_s", first_step_guard=True)]
+    cfgs = [SamplerConfig("dpm2")]
     assert cfgs[0].logprob == "gaussian"
+    assert cfgs[0].multistep and not cfgs[0].has_density and cfgs[0].noise_field is None
+    for field, value in dict(a=0.1, eta=0.3, schedule="eta_s", first_step_guard=True).items():  # none is dpm2's
+        with pytest.raises(ValueError, match=f"^{field}: sampler=dpm2 takes no field"):
+            SamplerConfig("dpm2", **{field: value})
     grid = time_grid(6, shift=3.0)
     x, v = torch.randn(2, 3, 4, 4), torch.randn(2, 3, 4, 4)
     for cfg in cfgs:

@@ -1,6 +1,6 @@
 """What the update minimises: ``objective=<name>`` (docs/method.md §11), chosen once at build time.
 
-An :class:`~stepflow.objectives.base.Objective` declares what it needs from an iteration (log-probs or not, the
+An :class:`~stepflow.objectives.base.Objective` (a part: ``objective=<option>``, its YAML's ``_target_``) declares what it needs from an iteration (log-probs or not, the
 rollout sampler, the states whose x̂0 it reads, which steps or times it trains, extra copies of the weights) and
 computes the loss of one term on a micro-batch; :func:`stepflow.algorithm.iteration` asks it instead of branching.
 
@@ -15,16 +15,14 @@ advantageflow  AdvantageFlow: advantage-weighted x0 least squares with proximity
 
 from __future__ import annotations
 
-from stepflow.config import ObjectiveConfig, TrainConfig
+from stepflow.config import TrainConfig
 from stepflow.objectives.base import ForwardObjective, Objective
 from stepflow.objectives.forward import AdvantageFlow, Awm, Nft
 from stepflow.objectives.grpo import Distill, Grpo
 
 __all__ = ["Objective", "ForwardObjective", "Grpo", "Distill", "Nft", "Awm", "AdvantageFlow", "build_objective"]
 
-_CLASSES = {"grpo": Grpo, "distill": Distill, "nft": Nft, "awm": Awm, "advantageflow": AdvantageFlow}
 
-
-def build_objective(cfg: ObjectiveConfig, train: TrainConfig) -> Objective:
-    """The objective ``cfg.name`` with its settings and the update's (``train``: KL weight, clip range, ...)."""
-    return _CLASSES[cfg.name](cfg, train)
+def build_objective(objective: Objective, train: TrainConfig) -> Objective:
+    """The objective (built from its option, ``stepflow.config.ObjectiveConfig``) with the update's settings."""
+    return objective.bind(train)

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from stepflow.config import ObjectiveConfig, TrainConfig
+from stepflow.config import TrainConfig
 from stepflow.ema import ParamCopy
 from stepflow.sde import SamplerConfig, step_std
 
@@ -48,9 +48,17 @@ def trainable_steps(train: TrainConfig, sampler: SamplerConfig, times: Tensor, d
     return [k for k in cand if float(std[k]) > 0]
 
 
+def need(ok: bool, msg: str) -> None:
+    """A field check: ``msg`` (``<field>: must be ..., got ...``) as a ValueError unless ``ok``."""
+    if not ok:
+        raise ValueError(msg)
+
+
 class Objective:
-    """The interface (and the defaults of the GRPO family). ``cfg``: the objective's settings; ``train``: the
-    update's (KL weight, clip range, ...)."""
+    """The interface (and the defaults of the GRPO family). A part (``objective=<option>``): its YAML's fields are
+    its keyword arguments; ``train``: the update's settings (KL weight, clip range, ...; :meth:`bind` sets them when
+    the run is built). Every objective takes ``rollout_sampler`` (an option of the ``sampler`` group its rollouts use
+    whatever ``sampler`` says; null: that one) and ``same_latent`` (null: ``loop.same_latent``)."""
 
     name = "objective"
     needs_density = True  #: trains the rollout's SDE transitions (steps without noise cannot be trained)
@@ -58,8 +66,23 @@ class Objective:
     drops_zero_advantage = True  #: rows whose advantages are 0 at every step give no gradient and are skipped
     reads_estimates = False  #: the loss reads x̂0 estimates (of :meth:`states`), so they are computed
 
-    def __init__(self, cfg: ObjectiveConfig, train: TrainConfig):
-        self.cfg, self.train = cfg, train
+    def __init__(self, train: TrainConfig | None = None, rollout_sampler: str | None = None,
+                 same_latent: bool | None = None):
+        need(rollout_sampler is None or isinstance(rollout_sampler, str),
+             f"rollout_sampler: must be null or an option of the sampler group, got {rollout_sampler!r}")
+        need(same_latent is None or isinstance(same_latent, bool), f"same_latent: must be null or a bool, got {same_latent!r}")
+        self.train = train if train is not None else TrainConfig()
+        self.rollout_sampler, self.same_latent = rollout_sampler, same_latent
+
+    @property
+    def cfg(self) -> Objective:
+        """The objective's settings (itself: its fields are its attributes)."""
+        return self
+
+    def bind(self, train: TrainConfig) -> Objective:
+        """The update's settings of the run (``train``)."""
+        self.train = train
+        return self
 
     # ---------------------------------------------------------------- what an iteration needs
     @property
@@ -115,8 +138,10 @@ class ForwardObjective(Objective):
     forward_process = True
     drops_zero_advantage = False  # r = 1/2 (NFT) and the proximity terms still train at A = 0
 
-    def __init__(self, cfg: ObjectiveConfig, train: TrainConfig):
-        super().__init__(cfg, train)
+    def __init__(self, adv_clip_max: float = 5.0, **common):
+        super().__init__(**common)
+        need(isinstance(adv_clip_max, (int, float)) and adv_clip_max > 0, f"adv_clip_max: must be > 0, got {adv_clip_max}")
+        self.adv_clip_max = adv_clip_max
         self.index: Tensor | None = None  #: (B_local, K) grid index of each row's term
         self.noise: Tensor | None = None  #: (B_local, K, C, H, W) fresh noise
 

@@ -22,11 +22,13 @@ from stepflow.forward import (
     nft_reward,
     velocity_kl,
 )
-from stepflow.objectives.base import ForwardObjective
+from stepflow.objectives.base import ForwardObjective, need
 
 __all__ = ["Nft", "Awm", "AdvantageFlow"]
 
-_AWM_KIND = {"ghuber": "ghuber", "uniform": "Uniform", "t": "t", "t2": "t**2", "huber": "huber"}
+#: objective.log_prob -> the release's ``kind`` argument of its log-prob reshaping
+_AWM_KIND = dict(ghuber="ghuber", uniform="Uniform", t="t", t2="t**2", huber="huber")
+NFT_ADV_MODES = ("all", "positive_only", "negative_only", "one_only", "binary")
 
 
 class _WithOld(ForwardObjective):
@@ -34,8 +36,11 @@ class _WithOld(ForwardObjective):
     the new weights after every iteration: ``θ_old ← d·θ_old + (1 − d)·θ``, d = :func:`~stepflow.forward.nft_old_decay`
     (``objective.decay_type``) at the optimizer-step counter."""
 
-    def __init__(self, cfg, train):
-        super().__init__(cfg, train)
+    def __init__(self, decay_type: int = 1, **fields):
+        super().__init__(**fields)
+        need(decay_type in (0, 1, 2) and not isinstance(decay_type, bool),
+             f"decay_type: must be 0, 1 or 2, got {decay_type!r}")
+        self.decay_type = decay_type
         self.old: ParamCopy | None = None
 
     def attach(self, params):
@@ -74,6 +79,12 @@ class Nft(_WithOld):
 
     name = "nft"
 
+    def __init__(self, beta: float = 1.0, adv_mode: str = "all", **fields):
+        super().__init__(**fields)
+        need(isinstance(beta, (int, float)) and beta > 0, f"beta: must be > 0, got {beta}")
+        need(adv_mode in NFT_ADV_MODES, f"adv_mode: must be one of {', '.join(NFT_ADV_MODES)}, got {adv_mode!r}")
+        self.beta, self.adv_mode = beta, adv_mode
+
     def loss(self, learner, traj, adv, term, rows, times, x0_hat):
         c = self.cfg
         x0, eps, t, x_t, cond, a = self.point(learner, traj, adv, term, rows, times)
@@ -94,11 +105,13 @@ class AdvantageFlow(_WithOld):
 
     name = "advantageflow"
 
-    def __init__(self, cfg, train):
-        super().__init__(cfg, train)
-        if not cfg.gamma + cfg.lam > 1:
-            raise ValueError(f"objective.gamma / objective.lam: gamma + lam must be > 1 (advantages lie in [-1, 1], "
-                             f"so A + gamma + lam > 0 keeps every sample's loss convex), got {cfg.gamma} + {cfg.lam}")
+    def __init__(self, gamma: float = 1.5, lam: float = 0.0, **fields):
+        super().__init__(**fields)
+        need(isinstance(gamma, (int, float)) and isinstance(lam, (int, float)) and gamma >= 0 and lam >= 0,
+             f"gamma / lam: must be >= 0, got {gamma} / {lam}")
+        need(gamma + lam > 1, f"gamma: gamma + lam must be > 1 (advantages lie in [-1, 1], so A + gamma + lam > 0 "
+                              f"keeps every sample's loss convex), got {gamma} + {lam}")
+        self.gamma, self.lam = gamma, lam
 
     @property
     def uses_reference(self) -> bool:
@@ -126,8 +139,24 @@ class Awm(ForwardObjective):
 
     name = "awm"
 
-    def __init__(self, cfg, train):
-        super().__init__(cfg, train)
+    def __init__(self, num_times: int = 6, times_frac: float = 0.9, log_prob: str = "ghuber", p: float = 0.25,
+                 clip_range: float = 1.0, advantage_max: float = 1.0, ema_beta: float = 1.0, kl_ema_decay: float = 0.3,
+                 ema_rate: float = 0.001, **fields):
+        super().__init__(**fields)
+        num = (int, float)
+        need(isinstance(num_times, int) and not isinstance(num_times, bool) and num_times >= 1,
+             f"num_times: must be an integer >= 1, got {num_times!r}")
+        need(isinstance(times_frac, num) and 0 < times_frac <= 1, f"times_frac: must be in (0, 1], got {times_frac}")
+        need(log_prob in _AWM_KIND, f"log_prob: must be one of {', '.join(_AWM_KIND)}, got {log_prob!r}")
+        need(isinstance(p, num) and p > 0, f"p: must be > 0, got {p}")
+        need(isinstance(clip_range, num) and clip_range > 0, f"clip_range: must be > 0, got {clip_range}")
+        need(isinstance(advantage_max, num) and advantage_max > 0, f"advantage_max: must be > 0, got {advantage_max}")
+        need(isinstance(ema_beta, num) and ema_beta >= 0, f"ema_beta: must be >= 0, got {ema_beta}")
+        need(isinstance(kl_ema_decay, num) and 0 <= kl_ema_decay < 1, f"kl_ema_decay: must be in [0, 1), got {kl_ema_decay}")
+        need(isinstance(ema_rate, num) and ema_rate >= 0, f"ema_rate: must be >= 0, got {ema_rate}")
+        self.num_times, self.times_frac, self.log_prob, self.p = num_times, times_frac, log_prob, p
+        self.clip_range, self.advantage_max, self.ema_beta = clip_range, advantage_max, ema_beta
+        self.kl_ema_decay, self.ema_rate = kl_ema_decay, ema_rate
         self.ema: ParamCopy | None = None
 
     def attach(self, params):
@@ -135,6 +164,17 @@ class Awm(ForwardObjective):
 
     def trained_steps(self, train, sampler, grid, window):
         return list(range(grid.shape[0] - 1))
+
+    def requirements(self, s) -> list[str]:
+        """AWM draws its own stratified training times in [1, int(T·times_frac))."""
+        out = []
+        if s.train.train_steps is not None:
+            out.append("train.train_steps: objective=awm draws its own stratified times (objective.num_times, "
+                       "objective.times_frac); set train.train_steps=null")
+        if int(s.loop.num_steps * self.times_frac) < 2:
+            out.append(f"objective.times_frac: int(loop.num_steps·times_frac) = {int(s.loop.num_steps * self.times_frac)} "
+                       "leaves no training time in [1, it); raise loop.num_steps or objective.times_frac")
+        return out
 
     def num_terms(self, steps):
         return len(awm_train_indices(len(steps), self.cfg.num_times, self.cfg.times_frac, torch.Generator()))

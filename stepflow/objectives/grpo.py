@@ -8,7 +8,7 @@ import torch
 from torch import Tensor
 
 from stepflow.loss import distill_loss, guard_log_ratio, policy_loss
-from stepflow.objectives.base import Objective, policy_velocity
+from stepflow.objectives.base import Objective, need, policy_velocity
 from stepflow.sde import sde_step
 
 __all__ = ["Grpo", "Distill"]
@@ -58,6 +58,13 @@ class Distill(Objective):
     needs_density = False
     drops_zero_advantage = False
     reads_estimates = True
+    needs_stepwise_advantages = True  #: weights its targets by the gain advantages of every step
+
+    def __init__(self, weight: str = "relu", temperature: float = 1.0, **common):
+        super().__init__(**common)
+        need(weight in ("relu", "signed", "exp"), f"weight: must be relu, signed or exp, got {weight!r}")
+        need(isinstance(temperature, (int, float)) and temperature > 0, f"temperature: must be > 0, got {temperature}")
+        self.weight, self.temperature = weight, temperature
 
     @property
     def uses_reference(self) -> bool:

@@ -13,11 +13,7 @@ from typing import Any
 from stepflow.errors import RewardError, StepflowError
 from stepflow.rewards.base import Reward
 
-__all__ = ["build_reward", "reward_config", "REWARD_NAMES"]
-
-#: the reward configs stepflow ships (``reward=<name>``)
-REWARD_NAMES = ("shapes_geneval", "pickscore", "pickscore_tiny", "clipscore", "hpsv2", "aesthetic", "imagereward", "ocr", "remote",
-                "geneval_server", "unifiedreward", "multi")
+__all__ = ["build_reward", "reward_config"]
 
 
 def _find_reward_error(e: BaseException) -> RewardError | None:
