@@ -19,13 +19,17 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
 from stepflow.data import seeded_normal
 from stepflow.policies.base import Cond, FlowPolicy
-from stepflow.sde import SamplerConfig, ode_step, sde_step
+from stepflow.sde import ode_step, sde_step
+
+if TYPE_CHECKING:
+    from stepflow.samplers.base import Sampler
 
 __all__ = ["completion_grid", "complete", "complete_states", "Branches", "branch_at", "completion_nfe"]
 
@@ -102,7 +106,7 @@ class Branches:
 
 @torch.no_grad()
 def branch_at(policy: FlowPolicy, anchor_latents: Tensor, anchor_velocities: Tensor, times: Tensor, cond: Cond,
-              k: int, sampler: SamplerConfig, num_branches: int, seeds: Tensor, guidance: float = 1.0,
+              k: int, sampler: Sampler, num_branches: int, seeds: Tensor, guidance: float = 1.0,
               granularities: Sequence[int] = (1,)) -> Branches:
     """From the anchor's state ``X_k`` (``anchor_latents[:, k]``, (B, T+1, C, H, W)) take ``num_branches`` SDE
     steps under ``sampler`` with the anchor's velocity at X_k (``anchor_velocities[:, k]``) and complete each by the

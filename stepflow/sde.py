@@ -47,6 +47,8 @@ __all__ = [
     "cps_step",
     "ode_step",
     "gaussian_log_prob",
+    "prepare_step",
+    "finish_step",
 ]
 
 #: the package's config directory (``conf/<group>/<option>.yaml``)
@@ -195,8 +197,11 @@ def gaussian_log_prob(x: Tensor, mean: Tensor, std: Tensor, kind: str = "gaussia
     return torch.where(live, lp, torch.zeros_like(lp))
 
 
-def _finish(x: Tensor, mean: Tensor, std: Tensor, kl_scale: Tensor, *, noise, prev_sample, generator, logprob) -> StepOut:
-    """Draw (or take) the next state and evaluate its log-prob."""
+def finish_step(x: Tensor, mean: Tensor, std: Tensor, kl_scale: Tensor, *, noise=None, prev_sample=None, generator=None,
+                logprob: str = "gaussian") -> StepOut:
+    """The end of every Gaussian step (a sampler's, the package's or a user's): the next state ``mean + std·noise``
+    (``noise ~ N(0, I)`` from ``generator`` when None), or ``prev_sample`` when given (the update re-evaluating the
+    rollout's action), and its log-prob under ``logprob``'s convention. mean: (B, ...); std, kl_scale: (B,)."""
     std = std.to(mean.dtype)
     if prev_sample is not None:
         nxt = prev_sample.float()
@@ -212,7 +217,8 @@ def _finish(x: Tensor, mean: Tensor, std: Tensor, kl_scale: Tensor, *, noise, pr
     return StepOut(next=nxt, mean=mean, std=std, log_prob=lp, trainable=std > 0, kl_scale=kl_scale.to(mean.dtype))
 
 
-def _prep(x: Tensor, v: Tensor, t, t_next):
+def prepare_step(x: Tensor, v: Tensor, t, t_next):
+    """The start of every step: x, v in fp32 (shapes checked) and the times as (B,) fp32 tensors."""
     x = x.float()
     v = v.float()
     if x.shape != v.shape:
@@ -280,7 +286,7 @@ def flow_sde_step(x: Tensor, v: Tensor, t, t_next, *, a: float = 0.7, t_guard=No
     ``μ = x − Δt·[v + σ_d²/(2t)·(x + (1−t) v)]``; we use the identity ``σ_d²/(2t) = a²/(2(1−t̃))`` (no 0/0).
     x, v: (B, ...); t, t_next: float / 0-d / (B,).  ``kl_scale = σ_d``.
     """
-    x, v, t, s = _prep(x, v, t, t_next)
+    x, v, t, s = prepare_step(x, v, t, t_next)
     dt = t - s
     t_til = _guarded(t, t_guard, "flow_sde")
     sigma_d = a * torch.sqrt(t / (1.0 - t_til))
@@ -288,7 +294,7 @@ def flow_sde_step(x: Tensor, v: Tensor, t, t_next, *, a: float = 0.7, t_guard=No
     drift = v + _bcast(half_var_over_t, x) * (x + _bcast(1.0 - t, x) * v)
     mean = x - _bcast(dt, x) * drift
     std = sigma_d * torch.sqrt(dt)
-    return _finish(x, mean, std, sigma_d, noise=noise, prev_sample=prev_sample, generator=generator, logprob=logprob)
+    return finish_step(x, mean, std, sigma_d, noise=noise, prev_sample=prev_sample, generator=generator, logprob=logprob)
 
 
 def dance_sde_step(x: Tensor, v: Tensor, t, t_next, *, eta: float = 0.3, noise: Tensor | None = None,
@@ -305,12 +311,12 @@ def dance_sde_step(x: Tensor, v: Tensor, t, t_next, *, eta: float = 0.3, noise: 
     x, v: (B, ...); t, t_next: float / 0-d / (B,).  ``kl_scale = η`` (the diffusion coefficient without √Δt, as
     flow_sde's σ_d: ``kl_mode=flow_grpo_parity`` is then the exact KL × Δt for both).
     """
-    x, v, t, s = _prep(x, v, t, t_next)
+    x, v, t, s = prepare_step(x, v, t, t_next)
     dt = t - s
     drift = v + _bcast((eta * eta) / (2.0 * t), x) * (x + _bcast(1.0 - t, x) * v)
     mean = x - _bcast(dt, x) * drift
     std = eta * torch.sqrt(dt)
-    return _finish(x, mean, std, torch.full_like(t, float(eta)), noise=noise, prev_sample=prev_sample,
+    return finish_step(x, mean, std, torch.full_like(t, float(eta)), noise=noise, prev_sample=prev_sample,
                    generator=generator, logprob=logprob)
 
 
@@ -331,10 +337,10 @@ def ddim_sde_step(x: Tensor, v: Tensor, t, t_next, *, eta: float = 0.9, schedule
     ``x_s = (1−s)·x̂0 + sqrt((s² − σ²)₊)·x̂1 + σ·ε`` with σ from ``schedule`` (see :class:`stepflow.samplers.DdimSde`).
     x, v: (B, ...); t, t_next: float / 0-d / (B,).  ``kl_scale = std = σ``.
     """
-    x, v, t, s = _prep(x, v, t, t_next)
+    x, v, t, s = prepare_step(x, v, t, t_next)
     sigma = _ddim_sigma(t, s, eta, schedule, first_step_guard, t_guard)
     mean = _xhat_step(x, v, t, s, sigma)
-    return _finish(x, mean, sigma, sigma, noise=noise, prev_sample=prev_sample, generator=generator, logprob=logprob)
+    return finish_step(x, mean, sigma, sigma, noise=noise, prev_sample=prev_sample, generator=generator, logprob=logprob)
 
 
 def cps_step(x: Tensor, v: Tensor, t, t_next, *, eta: float = 0.9, noise: Tensor | None = None,
@@ -344,10 +350,10 @@ def cps_step(x: Tensor, v: Tensor, t, t_next, *, eta: float = 0.9, noise: Tensor
 
     FlowCPS itself uses ``logprob="cps_constfree"``.  x, v: (B, ...); t, t_next: float / 0-d / (B,).
     """
-    x, v, t, s = _prep(x, v, t, t_next)
+    x, v, t, s = prepare_step(x, v, t, t_next)
     std = s * math.sin(eta * math.pi / 2.0)
     mean = _xhat_step(x, v, t, s, std)
-    return _finish(x, mean, std, std, noise=noise, prev_sample=prev_sample, generator=generator, logprob=logprob)
+    return finish_step(x, mean, std, std, noise=noise, prev_sample=prev_sample, generator=generator, logprob=logprob)
 
 
 def ode_step(x: Tensor, v: Tensor, t, t_next, *, prev_sample: Tensor | None = None) -> StepOut:
@@ -355,7 +361,7 @@ def ode_step(x: Tensor, v: Tensor, t, t_next, *, prev_sample: Tensor | None = No
 
     x, v: (B, ...); t, t_next: float / 0-d / (B,).  ``prev_sample``, if given, is returned as ``next``.
     """
-    x, v, t, s = _prep(x, v, t, t_next)
+    x, v, t, s = prepare_step(x, v, t, t_next)
     mean = x - _bcast(t - s, x) * v
     zero = torch.zeros_like(t)
     nxt = mean if prev_sample is None else prev_sample.float()

@@ -23,14 +23,17 @@ combine whole per-step gradients instead (``per_step``), so they cannot run wher
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
 
 from stepflow.coherence import StepSignal, pair_sums
 from stepflow.loss import WEIGHTINGS, gain_variance_weights, guard_released_scale, noise_weights, rms_weights
-from stepflow.sde import SamplerConfig, step_std
+from stepflow.sde import step_std
+
+if TYPE_CHECKING:
+    from stepflow.samplers.base import Sampler
 
 __all__ = ["Weighting", "build_weighting"]
 
@@ -43,7 +46,7 @@ class Weighting:
     guard = False  #: the GRPO loss uses GRPO-Guard's normalised log-ratio
     signal: StepSignal | None = None  #: ``auto``: the online per-step signal estimate
 
-    def weights(self, sampler: SamplerConfig, grid: Tensor, trained: Sequence[int], gains: Tensor | None) -> Tensor | None:
+    def weights(self, sampler: Sampler, grid: Tensor, trained: Sequence[int], gains: Tensor | None) -> Tensor | None:
         """(S,) the loss weight of each trained step (mean 1), or None (all 1). ``grid``: (T+1,) times; ``gains``:
         (B, T) the iteration's gains over every rank's rows (None for credit without gains)."""
         return None

@@ -10,14 +10,17 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
 
 from stepflow.config import TrainConfig
 from stepflow.ema import ParamCopy
-from stepflow.sde import SamplerConfig, step_std
+from stepflow.sde import step_std
+
+if TYPE_CHECKING:
+    from stepflow.samplers.base import Sampler
 
 __all__ = ["Objective", "ForwardObjective", "trainable_steps", "policy_velocity"]
 
@@ -33,7 +36,7 @@ def policy_velocity(learner: Any, traj: Any, k: int, rows: Tensor, x_k: Tensor, 
     return learner.policy.velocity(x_k, t, cond, learner.guidance)
 
 
-def trainable_steps(train: TrainConfig, sampler: SamplerConfig, times: Tensor, density: bool = True,
+def trainable_steps(train: TrainConfig, sampler: Sampler, times: Tensor, density: bool = True,
                     window: Sequence[int] | None = None) -> list[int]:
     """Steps to train on the grid ``times`` (T+1,): ``train.train_steps`` (None: the first int(T·timestep_fraction)
     steps), within the SDE ``window`` (None: all), and, when the objective trains the steps' densities
@@ -90,7 +93,7 @@ class Objective:
         """The loss reads the reference policy π_ref (a KL term): full fine-tuning keeps a frozen copy."""
         return self.train.beta_kl > 0
 
-    def trained_steps(self, train: TrainConfig, sampler: SamplerConfig, grid: Tensor,
+    def trained_steps(self, train: TrainConfig, sampler: Sampler, grid: Tensor,
                       window: Sequence[int] | None) -> list[int]:
         """The grid steps this iteration trains (or, for the forward-process objectives, draws times among)."""
         return trainable_steps(train, sampler, grid, self.needs_density, window)

@@ -20,20 +20,9 @@ from dataclasses import dataclass
 import torch
 
 from stepflow.samplers.base import Sampler, grid_times
-from stepflow.sde import StepOut, gaussian_log_prob
+from stepflow.sde import finish_step, prepare_step
 
 __all__ = ["EulerMaruyama"]
-
-
-def _per_row(t, b: int, device) -> torch.Tensor:
-    """A time (float, 0-d or (B,)) as a (B,) fp32 tensor."""
-    t = torch.as_tensor(t, dtype=torch.float32, device=device)
-    return t.expand(b) if t.ndim == 0 else t.reshape(b)
-
-
-def _rows(z: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    """(B,) -> (B, 1, ..., 1) to broadcast against ``like``."""
-    return z.view(-1, *([1] * (like.ndim - 1)))
 
 
 @dataclass
@@ -57,25 +46,10 @@ class EulerMaruyama(Sampler):
         return torch.where(s > 0, self.sigma * torch.sqrt((t - s).clamp(min=0)), torch.zeros_like(t))
 
     def step(self, x, v, t, t_next, *, t_guard=None, noise=None, prev_sample=None, generator=None):
-        x, v = x.float(), v.float()
-        if x.shape != v.shape:
-            raise ValueError(f"v: expected shape {tuple(x.shape)}, got {tuple(v.shape)}")
-        b = x.shape[0]
-        tt, ss = _per_row(t, b, x.device), _per_row(t_next, b, x.device)
-        mean = x - _rows(tt - ss, x) * v
-        std = self.std(tt, ss).to(x.device)
-        if prev_sample is not None:
-            nxt = prev_sample.float()
-            if nxt.shape != mean.shape:
-                raise ValueError(f"prev_sample: expected shape {tuple(mean.shape)}, got {tuple(nxt.shape)}")
-        else:
-            if noise is None:
-                noise = torch.randn(mean.shape, generator=generator, device=mean.device, dtype=mean.dtype)
-            elif noise.shape != mean.shape:
-                raise ValueError(f"noise: expected shape {tuple(mean.shape)}, got {tuple(noise.shape)}")
-            nxt = mean + _rows(std, mean) * noise.float()
-        log_prob = gaussian_log_prob(nxt, mean, std)
-        return StepOut(next=nxt, mean=mean, std=std, log_prob=log_prob, trainable=std > 0, kl_scale=std)
+        x, v, t, s = prepare_step(x, v, t, t_next)  # fp32, shapes checked, times (B,)
+        mean = x - (t - s).view(-1, *([1] * (x.ndim - 1))) * v
+        std = self.std(t, s).to(x.device)
+        return finish_step(x, mean, std, std, noise=noise, prev_sample=prev_sample, generator=generator)
 
     def describe(self) -> str:
         return f"{self.name} (sigma={self.sigma:g})"
