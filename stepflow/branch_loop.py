@@ -1,12 +1,12 @@
-"""The pieces of the branch-rollout iteration (:func:`stepflow.algorithm.branch_iteration`): TempFlow-GRPO and
+"""The pieces of the branch rollout (:class:`stepflow.rollouts.branches.BranchRollout`): TempFlow-GRPO and
 Granular-GRPO (``advantage=tempflow | g2rpo``; docs/method.md §13).
 
-Where :func:`stepflow.algorithm.iteration` rolls out B trajectories and credits their own steps, these methods
+Where the trajectory strategy rolls out B trajectories and credits their own steps, these methods
 roll out a deterministic **anchor** (the Euler ODE) and, at every trained step k, let each rollout row draw K SDE
 transitions ``X_k → X_{k+1}^{(j)}`` from the anchor's state, each completed to an image by the ODE
 (:func:`stepflow.branch.branch_at`). A branch's reward is then the effect of its one stochastic step, so it is
 credited to that step alone: the update trains each **branch row** (anchor state X_k, branch X_{k+1}^{(j)}, its
-log-prob under the sampler) at its own step only, through the per-row term mask of :func:`stepflow.algorithm.update`.
+log-prob under the sampler) at its own step only, through the per-row term mask of :func:`stepflow.core.update.update`.
 
 Rows of the plan that share their prompt and initial noise share one anchor (computed once): ``loop.same_latent=
 false`` gives every row its own anchor (TempFlow-GRPO: N seeds × K branches per prompt), ``true`` one anchor per
@@ -17,7 +17,7 @@ Branch j of row i at step k draws its noise from the row's step-noise seed, its 
 Phases: ``rollout`` the anchors (T NFEs each), ``estimate`` the branches and their completions (the rewards'
 cost: ``Σ_k (T − k − 1)`` NFEs per branch at granularity 1), ``reward`` one call for every branch image and the
 anchors' own final images (``train/reward_final``: the current policy's ODE image, what the evaluation sees),
-``advantage`` :meth:`stepflow.advantage.AdvantageEstimator.branch_advantages` over every rank's rows, ``update``.
+``advantage`` :meth:`stepflow.credits.branched.BranchCredit.branch_advantages` over every rank's rows, ``update``.
 The logged ``train/reward_step{k}`` is the mean reward of the branches at step k.
 """
 

@@ -2,7 +2,7 @@
 
 The iteration's plan is global and identical on every rank; each rank rolls out its contiguous slice of the rows,
 the rewards of all rows are gathered in rank order for the group statistics, and each rank trains on its own rows
-with gradients summed over ranks (``stepflow.algorithm.update``).
+with gradients summed over ranks (``stepflow.core.update.update``).
 
 Strategies differ in two ways the update must know (:meth:`Dist.from_module`):
 

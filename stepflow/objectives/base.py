@@ -1,6 +1,6 @@
 """The Objective type, and the machinery the forward-process objectives share (training times, fresh noise, copies).
 
-The update (:func:`stepflow.algorithm.update`) runs, per optimizer step, every *term* of the objective over the
+The update (:func:`stepflow.core.update.update`) runs, per optimizer step, every *term* of the objective over the
 micro-batches of its rows and back-propagates each term's loss (a mean over the term's rows). A term is one trained
 step k for the GRPO objectives (the rollout's transition X_k → X_{k+1}) and one training time per sample for the
 forward-process objectives (term j of sample i at the grid time ``t_{k_ij}``, drawn per iteration).
