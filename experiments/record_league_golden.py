@@ -39,7 +39,7 @@ HERE = Path(__file__).resolve().parents[1]
 GOLDEN = HERE / "tests" / "golden" / "league_it1.json"
 
 #: the one iteration every recipe runs (then `OVERRIDES[name]`, then hydra.run.dir)
-BASE_ARGS = ["loop.iterations=1", "eval.every=0"]
+BASE_ARGS = ["loop.iterations=1", "eval.every=0", "eval.at_start=false", "eval.max_prompts=12"]
 #: per-recipe extra overrides (each must leave the rows of the first iteration unchanged); none are needed so far:
 #: every recipe's one iteration (with the start and end evaluations) ends within about 3 minutes on 2 CPU cores
 OVERRIDES: dict[str, list[str]] = {}
