@@ -9,11 +9,12 @@ The core never compares window names: it calls the methods below.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import ClassVar
 
 from torch import Tensor
 
-__all__ = ["Window", "check_int", "check_fits"]
+__all__ = ["Window", "Span", "check_int", "check_fits"]
 
 
 class Window:
@@ -78,3 +79,15 @@ def check_fits(start: int, size: int, num_steps: int, first: int | None = None) 
     if start + (size if first is None else first) > num_steps or size > num_steps - start:
         raise ValueError(f"window.size: start {start} + size {size} do not fit a {num_steps}-step grid "
                          f"(loop.num_steps); lower window.start or window.size")
+
+
+@dataclass
+class Span(Window):
+    """A window of ``size`` steps from ``start`` on (the fields and checks that fixed and random share)."""
+
+    start: int = 0
+    size: int = 3
+
+    def __post_init__(self) -> None:
+        check_int("size", self.size, 1)
+        check_int("start", self.start, 0)

@@ -7,23 +7,16 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from stepflow.windows.base import Window, check_fits, check_int
+from stepflow.windows.base import Span, check_fits
 
 __all__ = ["Random"]
 
 
 @dataclass
-class Random(Window):
+class Random(Span):
     """start: the lowest step drawn; size: steps drawn (seeded by the run's seed and the iteration)."""
 
     name = "random"
-
-    start: int = 0
-    size: int = 3
-
-    def __post_init__(self) -> None:
-        check_int("size", self.size, 1)
-        check_int("start", self.start, 0)
 
     def steps(self, iteration, num_steps, seed=0):
         check_fits(self.start, self.size, num_steps, first=1)
