@@ -18,13 +18,13 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import Tensor
 
-if TYPE_CHECKING:
-    from stepflow.samplers.base import Sampler
+#: a :class:`stepflow.samplers.base.Sampler` (not imported here: the samplers import this module's math)
+Sampler = Any
 
 __all__ = [
     "time_grid",

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -20,8 +20,8 @@ from stepflow.dist import Dist, clip_grad_norm
 from stepflow.errors import NonFiniteUpdate
 from stepflow.rollout import Trajectory
 
-if TYPE_CHECKING:
-    from stepflow.algorithm import Learner
+#: a :class:`stepflow.algorithm.Learner` (not imported here: the iteration imports this module)
+Learner = Any
 
 __all__ = ["update", "step_loss", "step_gradients", "subset_steps", "steps_per_sample", "clip_and_step", "TermPlan",
            "OptStep", "Work", "plan_update", "optimizer_steps", "lockstep_pads"]
