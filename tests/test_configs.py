@@ -4,7 +4,9 @@ YAML files only override it, and a bad value is caught where the field is define
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import inspect
+import re
 
 import pytest
 import yaml
@@ -14,8 +16,12 @@ from stepflow.cli import CONF_DIR
 from stepflow.config import (
     EmaConfig,
     EvalConfig,
+    EvaluateConfig,
     LoopConfig,
     LoraConfig,
+    PretrainConfig,
+    RunConfig,
+    ServeRewardConfig,
     TrainConfig,
     to_config,
 )
@@ -68,6 +74,144 @@ def test_group_files_name_their_class_and_only_its_fields(group):
         takes = set(inspect.signature(cls).parameters) | {n for k in cls.__mro__ if "__init__" in vars(k)
                                                           for n in inspect.signature(vars(k)["__init__"]).parameters}
         assert set(node) <= takes, f"{path.name}: {sorted(set(node) - takes)} are not fields of {cls.__name__}"
+    for path in sorted((CONF_DIR / "model").glob("*.yaml")):
+        keys = set(_yaml(path))
+        assert "_target_" in keys and not keys & {"train_steps", "ddim_schedule", "lora"}, path.name
+    for path in sorted((CONF_DIR / "recipe").glob("*.yaml")):
+        assert (CONF_DIR / "model" / path.name).is_file(), f"recipe/{path.name} has no model/{path.name}"
+
+
+def test_train_yaml_holds_no_defaults_of_its_own():
+    """conf/train.yaml chooses groups; the fields and their defaults live in RunConfig (except loop.seed, which
+    follows the run's seed)."""
+    top = _yaml(CONF_DIR / "train.yaml")
+    assert top.pop("defaults")[0] == "train_schema"
+    assert top.pop("loop") == {"seed": "${seed}"}
+    assert set(top) <= {"hydra", "callbacks"}, set(top)
+
+
+def test_the_composed_defaults_are_the_dataclass_defaults():
+    """Without a recipe (model=shapes_tiny has none), each section composes to its dataclass's defaults."""
+    cfg = compose_config("train", ["model=shapes_tiny"])
+    for name in ("loop", "train", "eval", "ema", "lora"):
+        got = OmegaConf.to_container(cfg[name], resolve=True)
+        want = dataclasses.asdict(SECTIONS[name]())
+        if name == "loop":
+            assert got.pop("seed") == cfg.seed
+            want.pop("seed")
+        assert got == want, name
+    assert RunConfig().seed == 0
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# the other entry points (pretrain, evaluate, serve_reward): typed the same way
+# ------------------------------------------------------------------------------------------------------------------
+#: each entry point's schema and what its composition needs (serve_reward asks for a reward)
+ENTRY_POINTS = {"pretrain": (PretrainConfig, []), "evaluate": (EvaluateConfig, []),
+                "serve_reward": (ServeRewardConfig, ["reward=shapes_geneval"])}
+#: the _target_ nodes a config group chooses (the dataclass has no default for them to compare with)
+TARGET_NODES = ("model", "reward")
+
+
+def _settings(name: str, overrides=()):
+    """The entry point's own parse function (``stepflow.<name>.settings``) on its composed config."""
+    cls, needs = ENTRY_POINTS[name]
+    return importlib.import_module(f"stepflow.{name}").settings(compose_config(name, [*needs, *overrides]))
+
+
+@pytest.mark.parametrize("name", list(ENTRY_POINTS))
+def test_entry_point_yaml_composes_its_schema_and_repeats_no_default(name):
+    """conf/<name>.yaml composes <name>_schema first; any value it sets is a field whose default it changes."""
+    cls, _ = ENTRY_POINTS[name]
+    top = _yaml(CONF_DIR / f"{name}.yaml")
+    assert top.pop("defaults")[0] == f"{name}_schema"
+    assert top.pop("hydra")["callbacks"]["run_dir"]["_target_"] == "stepflow.rundir.RunDirCallback"
+
+    def walk(got: dict, want: dict, path: str) -> None:
+        for k, v in got.items():
+            assert k in want, f"{name}.yaml: {path}{k} is not a field of {cls.__name__}"
+            if isinstance(v, dict) and isinstance(want[k], dict):
+                walk(v, want[k], f"{path}{k}.")
+            else:
+                assert v != want[k], f"{name}.yaml: {path}{k}: {v!r} repeats the default of {cls.__name__}"
+
+    walk(top, dataclasses.asdict(cls()), "")
+
+
+@pytest.mark.parametrize("name", list(ENTRY_POINTS))
+def test_entry_point_composed_defaults_are_the_dataclass_defaults(name):
+    cls, needs = ENTRY_POINTS[name]
+    got = OmegaConf.to_container(compose_config(name, needs), resolve=True)
+    want = dataclasses.asdict(cls())
+    for key in TARGET_NODES:
+        if key in want:
+            assert want.pop(key) is None and "_target_" in got.pop(key), key
+    assert got == want
+    typed = _settings(name)  # the entry point reads them as its typed config, every check passing
+    assert isinstance(typed, cls)
+    assert dataclasses.replace(typed, **{k: None for k in TARGET_NODES if hasattr(typed, k)}) == cls()
+
+
+def _named(overrides: dict[str, list[str]]) -> list[tuple[str, str, str]]:
+    """``(entry point, override, the field its one-line error names)`` for each override of each entry point: the
+    field is the override's key."""
+    return [(name, o, o.partition("=")[0]) for name, entry_overrides in overrides.items() for o in entry_overrides]
+
+
+#: (entry point, override, the field its one-line error names)
+BAD_VALUES = _named({
+    "pretrain": [
+        "seed=-1", "torch_threads=0", "arch.num_layers=0", "arch.image_size=30", "arch.qk_norm=batch_norm",
+        "arch.prediction=eps", "arch.t_eps=0", "data.batch_size=0", "data.categories=[circles]", "data.categories=[]",
+        "data.empty_prompt_prob=1.5", "data.num_workers=-1", "objective.t_sampling=cosine", "objective.logit_std=0",
+        "optim.lr=0", "optim.betas=[0.9,1.0]", "optim.betas=[0.9]", "optim.weight_decay=-0.1", "optim.warmup_steps=-1",
+        "optim.min_lr_ratio=2", "optim.grad_clip=-1", "ema.decay=1.0", "trainer.max_steps=0", "trainer.max_time=42min",
+        "trainer.log_every_n_steps=0", "trainer.checkpoint_every_n_steps=0", "trainer.progress_refresh=0",
+        "eval.every_n_steps=-1", "eval.split=test", "eval.max_prompts=0", "eval.num_steps=0", "eval.guidance=0.5",
+        "eval.seed=-1", "eval.grid_per_category=0", "select.target=1.5", "select.low=0.8", "select.high=-0.1",
+        "select.min_category=1", "select.tolerance=-0.1", "select.rescore_top_k=0", "select.rescore_margin=-1",
+        "select.rescore_max_prompts=0",
+    ],
+    "evaluate": [
+        "seed=-1", "num_per_prompt=0", "max_prompts=0", "batch_size=0", "torch_threads=0", "sampler.num_steps=0",
+        "sampler.guidance=0.5", "grid.per_category=-1", "grid.ncol=0",
+    ],
+    "serve_reward": [
+        "max_body_mb=0", "max_images=0", "max_images=2.5", "max_image_pixels=-1", "max_request_pixels=0",
+        "decode_workers=0", "max_inflight=-1", "read_timeout_s=0", "port=70000", "port=-1", "host=''",
+    ],
+})
+
+
+@pytest.mark.parametrize("name,override,field", BAD_VALUES, ids=[f"{n}:{o}" for n, o, _ in BAD_VALUES])
+def test_a_bad_value_of_an_entry_point_names_its_field(name, override, field):
+    with pytest.raises(StepflowError, match=rf"^{re.escape(field)}: "):
+        _settings(name, [override])
+
+
+@pytest.mark.parametrize("name,override,field", _named({"pretrain": ["optim.lr=inf", "select.tolerance=inf"],
+                                                         "evaluate": ["sampler.guidance=inf"],
+                                                         "serve_reward": ["max_body_mb=inf"]}))
+def test_the_dataclass_checks_refuse_non_finite_values_on_their_own(name, override, field):
+    """inf passes a one-sided bound (lr > 0): the dataclasses refuse it themselves, without cli.check_finite."""
+    cls, needs = ENTRY_POINTS[name]
+    node = compose_config(name, [*needs, override])
+    with pytest.raises(StepflowError, match=rf"^{re.escape(field)}: must be .*, got inf"):
+        to_config(node, cls)
+
+
+def test_a_count_that_is_no_number_is_one_line(capsys):
+    """serve_reward's counts take an integral float (max_images=4.0), so their schema type is int | float: a string is
+    refused at composition, in one line naming the field."""
+    from stepflow.cli import check_keys
+
+    with pytest.raises(SystemExit):
+        check_keys(["reward=shapes_geneval", "max_images=abc"], "serve_reward")
+    assert "stepflow: error: max_images: 'abc' is not a number; give max_images=<number>" in capsys.readouterr().err
+
+
+def test_models_hold_constructor_arguments_only():
+    """Recipe keys (which steps to train, the DDIM schedule) live in recipe/<model>.yaml, not in model configs."""
     for path in sorted((CONF_DIR / "model").glob("*.yaml")):
         keys = set(_yaml(path))
         assert "_target_" in keys and not keys & {"train_steps", "ddim_schedule", "lora"}, path.name
