@@ -117,3 +117,14 @@ def test_no_function_in_the_package_is_over_80_lines():
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno + 1 > 80:
                 long.append(f"{f.relative_to(PKG.parent)}:{node.lineno} {node.name} {node.end_lineno - node.lineno + 1}")
     assert long == []
+
+
+def test_a_field_given_on_the_command_line_that_the_chosen_part_does_not_take_is_one_line(tmp_path):
+    """The shapes recipe sets sampler.schedule for ddim_sde (logged as unused under flow_sde); asked for on the command
+    line under a sampler that does not take it, it is refused, not ignored."""
+    from stepflow.testing.harness import one_line_error, run_cli
+
+    r = run_cli("stepflow.train", "sampler=flow_sde", "sampler.schedule=eta_s",  # model=shapes: its recipe sets it
+                f"hydra.run.dir={tmp_path}")
+    line = one_line_error(r, "sampler.schedule: sampler=flow_sde does not take it")
+    assert "choose an option that takes it" in line
