@@ -29,7 +29,7 @@ def main(argv=None) -> dict:
     if args.threads:
         torch.set_num_threads(args.threads)
 
-    from stepflow.heldout import sample_ode
+    from stepflow.core.heldout import sample_ode
     from stepflow.policies.shapes import ShapesPolicy
     from stepflow.shapes import load_prompts
 

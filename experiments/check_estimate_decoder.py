@@ -93,9 +93,9 @@ def training_config(overrides: list[str]):
 def measure(overrides: list[str], batches: int) -> dict:
     import torch
 
-    from stepflow.advantage import AdvantageConfig, AdvantageEstimator
+    from stepflow.core.rollout import estimate_states, rollout, score
     from stepflow.errors import StepflowError
-    from stepflow.rollout import estimate_states, rollout, score
+    from stepflow.math.advantage import AdvantageConfig, AdvantageEstimator
     from stepflow.train import build_module
 
     if batches < 1:

@@ -10,7 +10,7 @@ the grid are the config's), every state X_k of every trajectory is
 
 - estimated with each ``--substeps`` T′ (``adaptive``: ⌈T′·t⌉ with T′ = the config's ``loop.substeps``) and scored:
   R̂_k, gains Ĝ_k = R̂_{k+1} − R̂_k;
-- completed by the Euler ODE on the rest of the grid (``stepflow.branch.complete``) and scored: R^c_k, gains
+- completed by the Euler ODE on the rest of the grid (``stepflow.core.branch.complete``) and scored: R^c_k, gains
   G^c_k = R^c_{k+1} − R^c_k (R^c_T = R_T, the final image's reward).
 
 Per step k it reports the within-group Spearman rank correlation of Ĝ_k with G^c_k (the credit GRPO normalises
@@ -72,9 +72,9 @@ def measure(overrides: list[str], batches: int, substeps: list[str], lora: str |
     import torch
     from tqdm.auto import tqdm
 
-    from stepflow.branch import complete
     from stepflow.config import compose
-    from stepflow.rollout import estimate_states, rollout, score
+    from stepflow.core.branch import complete
+    from stepflow.core.rollout import estimate_states, rollout, score
     from stepflow.train import build_module
 
     cfg = compose("train", overrides)

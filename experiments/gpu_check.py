@@ -14,8 +14,8 @@ What runs (no downloads, no text encoders; the modules are built by :mod:`stepfl
 - text encoders replaced by fixed random embeddings of the real shapes, one per prompt: SD3.5 (B, 77 + 256, 4096) +
   pooled (B, 2048); FLUX T5 (B, 512, 4096) + CLIP pooled (B, 768); Qwen-Image Qwen2.5-VL states (B, L, 3584) with a
   mask (so the text encoders' memory, T5-XXL 9.5 GB / Qwen2.5-VL 16 GB in bf16, is not counted);
-- the training loop's own iteration, :func:`stepflow.algorithm.iteration` (rollout, batched x̂0 estimates, scoring,
-  advantages, the clipped-GRPO + KL update; timed per phase by ``stepflow.algorithm.Phases``, which also records
+- the training loop's own iteration, :func:`stepflow.core.algorithm.iteration` (rollout, batched x̂0 estimates, scoring,
+  advantages, the clipped-GRPO + KL update; timed per phase by ``stepflow.core.algorithm.Phases``, which also records
   each phase's peak memory) over stepflow's own policies (``SD3Policy``, ``FluxPolicy``, ``QwenImagePolicy``);
 - a cheap stand-in reward on the decoded images (brightness/colourfulness), so the reward phase measures decoding.
 
@@ -114,15 +114,15 @@ def _sync(device):
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# one iteration: the training loop's own function (stepflow.algorithm.iteration), timed per phase
+# one iteration: the training loop's own function (stepflow.core.algorithm.iteration), timed per phase
 # ----------------------------------------------------------------------------------------------------------------
 def make_learner(policy, reward, scheme, args, optimizer, on_optimizer_step=None, lr: float = 3e-4):
-    """A :class:`stepflow.algorithm.Learner` of the check's settings (Flow-GRPO's update: clip 1e-4, 9 of 10 steps)."""
-    from stepflow.advantage import AdvantageConfig, AdvantageEstimator
-    from stepflow.algorithm import Learner
+    """A :class:`stepflow.core.algorithm.Learner` of the check's settings (Flow-GRPO's update: clip 1e-4, 9 of 10 steps)."""
     from stepflow.config import LoopConfig, TrainConfig
-    from stepflow.data import PromptPlanner
-    from stepflow.sde import SamplerConfig
+    from stepflow.core.algorithm import Learner
+    from stepflow.core.data import PromptPlanner
+    from stepflow.math.advantage import AdvantageConfig, AdvantageEstimator
+    from stepflow.math.sde import SamplerConfig
 
     groups = max(1, args.batch // args.group_size)
     loop = LoopConfig(iterations=args.iters, prompts_per_iter=groups, group_size=args.group_size, num_steps=args.steps,
@@ -135,7 +135,7 @@ def make_learner(policy, reward, scheme, args, optimizer, on_optimizer_step=None
 
 
 def run_scheme(learner, it):
-    from stepflow.algorithm import iteration, iteration_metrics
+    from stepflow.core.algorithm import iteration, iteration_metrics
 
     res = iteration(learner, it)
     m = iteration_metrics(res, world=1)
@@ -176,7 +176,7 @@ def _free_cuda(device) -> float | None:
 def run_one(model: str, finetune: str, args, device: torch.device, dtype: torch.dtype, dtype_name: str) -> dict:
     """Build ``model`` for ``finetune``, run ``--iters`` iterations of each scheme; a record with ``status`` ok /
     skipped / oom / error and the per-iteration results. Frees everything it built before returning."""
-    from stepflow.ema import ParamEMA
+    from stepflow.core.ema import ParamEMA
     from stepflow.testing.random_policies import fits, param_counts
 
     run: dict = {"model": model, "finetune": finetune, "status": "ok", "results": []}

@@ -6,7 +6,7 @@
 Composes the training config (``conf/train.yaml`` + Hydra overrides, e.g. ``sampler=flow_sde loop.prompts_per_iter=4``),
 draws ``--batches`` independent rollout batches with the *initial* weights (iterations 0..N-1 of the group sampler),
 and for each credit scheme computes every step's LoRA gradient. Reports, per step, the signal fraction
-ρ̂ = mean_{i≠j} g_i·g_j / mean |g_i|² over the batches (``stepflow.coherence``; 0 = pure noise, 1 = every batch points
+ρ̂ = mean_{i≠j} g_i·g_j / mean |g_i|² over the batches (``stepflow.math.coherence``; 0 = pure noise, 1 = every batch points
 the same way) and the mean gradient norm; writes ``coherence.json`` and ``coherence.png`` to ``--out``.
 
 ``--weightings`` (``train.weighting`` values) measures, for the first scheme, the update every-step training would
@@ -36,10 +36,10 @@ if TYPE_CHECKING:
 def weighted_update(g: Tensor, weighting: str, stds: Tensor, gains: Tensor | None) -> tuple[Tensor, Tensor]:
     """One batch's every-step update under ``train.weighting``: g (S, D) the steps' gradients (for ``guard`` already
     those of the guard loss), stds (S,) their noise stds, gains (B, S) or None. Returns (the combined update
-    ``Σ_k w_k g_k / S`` (D,), the weights w (S,)), as :func:`stepflow.algorithm.update` combines them."""
+    ``Σ_k w_k g_k / S`` (D,), the weights w (S,)), as :func:`stepflow.core.algorithm.update` combines them."""
     import torch
 
-    from stepflow.loss import gain_variance_weights, noise_weights, rms_weights
+    from stepflow.math.loss import gain_variance_weights, noise_weights, rms_weights
 
     if weighting == "noise":
         w = noise_weights(stds)
@@ -56,11 +56,11 @@ def measure(overrides: list[str], batches: int, schemes: list[str], weightings: 
     import torch
     from tqdm.auto import tqdm
 
-    from stepflow.advantage import AdvantageConfig
-    from stepflow.algorithm import step_gradients, trainable_steps
-    from stepflow.coherence import signal_fraction
     from stepflow.config import compose
-    from stepflow.rollout import estimate_states, rollout, score
+    from stepflow.core.algorithm import step_gradients, trainable_steps
+    from stepflow.core.rollout import estimate_states, rollout, score
+    from stepflow.math.advantage import AdvantageConfig
+    from stepflow.math.coherence import signal_fraction
     from stepflow.train import build_module
 
     cfg = compose("train", overrides)
@@ -84,7 +84,7 @@ def measure(overrides: list[str], batches: int, schemes: list[str], weightings: 
         for s, out in outs.items():
             grads[s].append(step_gradients(learner, traj, out.advantages, steps))
         if weightings:  # the first scheme's gradients, weighted as the update weighs them
-            from stepflow.sde import step_std
+            from stepflow.math.sde import step_std
 
             out = outs[schemes[0]]
             stds = step_std(learner.sampler, traj.times[:-1], traj.times[1:], t_guard=traj.times[1])[steps]
@@ -92,7 +92,7 @@ def measure(overrides: list[str], batches: int, schemes: list[str], weightings: 
             for w in weightings:
                 g = grads[schemes[0]][-1]
                 if w == "guard":
-                    from stepflow.weighting import build_weighting
+                    from stepflow.math.weighting import build_weighting
 
                     plain = learner.weighting
                     learner.weighting = build_weighting("guard")
@@ -194,7 +194,7 @@ def main(argv=None) -> dict:
     import torch
 
     torch.set_num_threads(args.threads)
-    from stepflow.loss import WEIGHTINGS
+    from stepflow.math.loss import WEIGHTINGS
 
     weightings = [w.strip() for w in args.weightings.split(",") if w.strip()]
     bad = [w for w in weightings if w not in WEIGHTINGS]

@@ -542,8 +542,8 @@ def sample_rows(s, methods: Sequence[str], seed: int = 0, prompts: int = 12, noi
     from ablations import hydra_value
 
     from stepflow.config import compose
+    from stepflow.core.heldout import evaluate_geneval
     from stepflow.evaluate import load_policy, load_records, settings
-    from stepflow.heldout import evaluate_geneval
     from stepflow.rewards.shapes_geneval import judge_batch
 
     rows, texts = [], None

@@ -31,9 +31,9 @@ from typing import Any
 
 from omegaconf import MISSING, DictConfig, OmegaConf
 
-from stepflow.budget import parse_budget
+from stepflow.core.budget import parse_budget
 from stepflow.errors import StepflowError
-from stepflow.sde import TIME_GRIDS
+from stepflow.math.sde import TIME_GRIDS
 
 __all__ = ["LoopConfig", "TrainConfig", "ObjectiveConfig", "EvalConfig", "EmaConfig", "LoraConfig", "DataConfig", "RunConfig",
            "PretrainArchConfig", "PretrainDataConfig", "PretrainObjectiveConfig", "PretrainOptimConfig",
@@ -92,7 +92,7 @@ class LoopConfig:
     compile: str | None = None
     #: the rollout's (and so the update's) σ grid: ``model`` = the policy's own ``time_grid`` (diffusers' scheduler:
     #: SD3's double shift with σ_min) | ``fastvideo`` = ``sd3_time_shift(grid_shift, linspace(1, 0, T+1))``, the
-    #: grid of DanceGRPO / MixGRPO / G²RPO (one shift, no σ_min, exact 0 at the end; stepflow.sde.fastvideo_time_grid).
+    #: grid of DanceGRPO / MixGRPO / G²RPO (one shift, no σ_min, exact 0 at the end; stepflow.math.sde.fastvideo_time_grid).
     #: The held-out evaluation always samples on the model's grid
     time_grid: str = "model"
     #: the shift of ``time_grid=fastvideo`` (null: the policy's ``shift``, 1.0 for the shapes model, 3.0 for SD3.5;
@@ -110,9 +110,9 @@ class LoopConfig:
     #: the process grows by about twice that, docs/method.md §14)
     retain_max_gib: float = 8.0
     #: with the graphs kept on the CPU: freed host memory stays in the process for the next rollout instead of going
-    #: back to the OS and returning as fresh zeroed pages (glibc; stepflow.retain.keep_freed_memory)
+    #: back to the OS and returning as fresh zeroed pages (glibc; stepflow.core.retain.keep_freed_memory)
     retain_keep_memory: bool = True
-    #: a compute budget (stepflow.budget): a number = forward-equivalent NFEs over all ranks (a backward counts 2,
+    #: a compute budget (stepflow.core.budget): a number = forward-equivalent NFEs over all ranks (a backward counts 2,
     #: CFG twice; reward images apart), "<N>s" = training seconds; the run stops after the iteration that reaches it
     #: (``iterations`` stays the cap) and evaluates at ``eval.at_fractions`` of it. null = ``iterations`` decides
     budget: Any = None  # typed loosely: a number or "<N>s", checked below
@@ -169,7 +169,7 @@ class TrainConfig:
     updates_per_iter: int = 1  #: optimizer steps per rollout batch (1 = on-policy; Flow-GRPO uses 2)
     on_policy: bool = False  #: force one optimizer step per rollout (ratio = 1: the KL-regularised policy gradient)
     drop_zero_adv: bool = True  #: skip samples whose advantages are 0 at every step
-    #: how the trained steps' terms are combined (stepflow.weighting): none | noise (TempFlow-GRPO, ∝ the step's noise
+    #: how the trained steps' terms are combined (stepflow.math.weighting): none | noise (TempFlow-GRPO, ∝ the step's noise
     #: std) | guard (GRPO-Guard's noise-normalised ratio) | guard_released (GRPO-Guard as released: guard and each
     #: step's policy loss / Δt) | grad_rms (each step's gradient scaled to the RMS of their norms) | gain_var (∝ the
     #: step's gain variance) | auto (∝ each step's measured gradient signal)
@@ -199,7 +199,7 @@ class TrainConfig:
         _need(0 < self.timestep_fraction <= 1, f"timestep_fraction: must be in (0, 1], got {self.timestep_fraction}")
         _need(self.micro_batch_size >= 1, f"micro_batch_size: must be >= 1, got {self.micro_batch_size}")
         _need(self.updates_per_iter >= 1, f"updates_per_iter: must be >= 1, got {self.updates_per_iter}")
-        from stepflow.loss import WEIGHTINGS
+        from stepflow.math.loss import WEIGHTINGS
 
         _need(self.weighting in WEIGHTINGS, f"weighting: must be one of {', '.join(WEIGHTINGS)}, got {self.weighting!r}")
         _need(_is_int(self.auto_every) and self.auto_every >= 1, f"auto_every: must be an integer >= 1, got {self.auto_every!r}")

@@ -10,7 +10,7 @@ module can raise and catch these without an import cycle.
   (:class:`RewardLoadError`, at start-up, naming the weights and the config key of a local copy) or whose service
   failed (:class:`RewardServiceError`: the training loop checkpoints and stops cleanly).
 - :class:`PromptFileError` (a ``ValueError``): a prompt file that is missing, empty or malformed.
-- :class:`StopRequested`: a stop (SIGTERM / SIGINT) was asked for during a long wait (``stepflow.stop``).
+- :class:`StopRequested`: a stop (SIGTERM / SIGINT) was asked for during a long wait (``stepflow.core.stop``).
 """
 
 from __future__ import annotations
@@ -89,4 +89,4 @@ class RemoteConfigError(StepflowError, RewardError):
 
 
 class StopRequested(RuntimeError):
-    """Raised by ``stepflow.stop.check`` / ``stepflow.stop.wait`` when a stop was requested."""
+    """Raised by ``stepflow.core.stop.check`` / ``stepflow.core.stop.wait`` when a stop was requested."""

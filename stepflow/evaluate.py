@@ -79,8 +79,8 @@ def load_policy(cfg: DictConfig | EvaluateConfig):
 
 def load_pretrain_checkpoint(path: str | Path, ema: bool = True):
     """A :class:`ShapesPolicy` from a ``stepflow.pretrain`` Lightning checkpoint (EMA weights by default)."""
-    from stepflow.checkpoint import safe_load
     from stepflow.policies.shapes import ShapesPolicy
+    from stepflow.shell.checkpoint import safe_load
 
     ck = safe_load(path, "ckpt_path")
     hp = ck.get("hyper_parameters", {})
@@ -94,7 +94,7 @@ def load_pretrain_checkpoint(path: str | Path, ema: bool = True):
 
 def load_records(cfg: DictConfig | EvaluateConfig) -> list[dict[str, Any]]:
     """Prompt records of ``prompt_file`` (a .jsonl/.txt path, ``pkg://`` path, or the split names train/eval)."""
-    from stepflow.data import load_prompt_file
+    from stepflow.core.data import load_prompt_file
     from stepflow.shapes import load_prompts, parse_prompt
 
     pf = settings(cfg).prompt_file
@@ -116,7 +116,7 @@ def load_records(cfg: DictConfig | EvaluateConfig) -> list[dict[str, Any]]:
 
 def evaluate(cfg: DictConfig | EvaluateConfig, out_dir: str | Path) -> dict[str, float]:
     """Run the evaluation described by ``cfg`` and write its outputs to ``out_dir``; returns the table."""
-    from stepflow.heldout import evaluate_geneval, format_table, save_category_grids
+    from stepflow.core.heldout import evaluate_geneval, format_table, save_category_grids
     from stepflow.rewards.shapes_geneval import judge_batch
 
     cfg = settings(cfg)  # every setting checked before anything is written or loaded

@@ -1,6 +1,6 @@
-"""GRPOModule: the Lightning shell around :func:`stepflow.algorithm.iteration` (one epoch = one GRPO iteration).
+"""GRPOModule: the Lightning shell around :func:`stepflow.core.algorithm.iteration` (one epoch = one GRPO iteration).
 
-The algorithm itself is Lightning-free (``stepflow/algorithm.py``). This module owns what Lightning is for: the
+The algorithm itself is Lightning-free (``stepflow/core/algorithm.py``). This module owns what Lightning is for: the
 optimizer, manual optimization under DDP / FSDP / DeepSpeed, checkpoint state (iteration counters, EMA, the
 advantage estimator's state, the metric history, the RNG), logging, and the evaluation schedule (held-out prompts,
 ODE sampling with the EMA weights, at the start, every ``eval.every`` iterations and at the end).
@@ -8,21 +8,26 @@ ODE sampling with the EMA weights, at the start, every ``eval.every`` iterations
 
 from __future__ import annotations
 
-import contextlib
 from pathlib import Path
 from typing import Any
 
 import lightning as L
 import torch
 
-from stepflow.algorithm import Learner, iteration, iteration_metrics
 from stepflow.config import EmaConfig, EvalConfig, LoopConfig, TrainConfig
-from stepflow.data import PromptPlanner
-from stepflow.dist import Dist
-from stepflow.ema import ParamEMA
+from stepflow.core import stop
+from stepflow.core.algorithm import Learner, iteration, iteration_metrics
+from stepflow.core.budget import parse_budget
+from stepflow.core.data import PromptPlanner
+from stepflow.core.dist import Dist
+from stepflow.core.ema import ParamEMA
 from stepflow.errors import RewardServiceError, StopRequested
+from stepflow.math.weighting import build_weighting
+from stepflow.objectives import Grpo
 from stepflow.policies.base import FlowPolicy
 from stepflow.rewards.base import Reward
+from stepflow.shell import outputs, run_state
+from stepflow.shell.sharding import same_graph_as_fsdp, shard_module
 
 __all__ = ["GRPOModule"]
 
@@ -56,10 +61,8 @@ class GRPOModule(L.LightningModule):
         self.iteration = 0
         self.nfe_total = 0
         self.reward_images_total = 0
-        from stepflow.budget import parse_budget
-
         self.budget = parse_budget(loop.budget)  #: loop.budget (None: loop.iterations decides)
-        #: what the iterations spent (stepflow.budget): forward-equivalent NFEs over ranks, training seconds
+        #: what the iterations spent (stepflow.core.budget): forward-equivalent NFEs over ranks, training seconds
         self.spent = {"nfe": 0.0, "seconds": 0.0}
         self.history: list[dict[str, float]] = []
         self.stop_reason: str | None = None
@@ -69,12 +72,7 @@ class GRPOModule(L.LightningModule):
         self.stop_signal: str | None = None  #: SIGTERM / SIGINT when a signal stopped the run
         self._pbar = None
         self._optimizer = None
-        from stepflow.sharding import same_graph_as_fsdp
-
         same_graph_as_fsdp(policy.transformer)  # the same backward sums under every strategy (full fine-tuning)
-        from stepflow.objectives import Grpo
-        from stepflow.weighting import build_weighting
-
         self.objective = (objective if objective is not None else Grpo()).bind(train)
         if self.objective.uses_reference:
             policy.prepare_reference()  # full fine-tuning: copy π_ref before any weight (or EMA swap) changes it
@@ -100,22 +98,8 @@ class GRPOModule(L.LightningModule):
         return torch.optim.AdamW(params, lr=o.lr, betas=tuple(o.betas), weight_decay=o.weight_decay, eps=o.adam_eps)
 
     def configure_model(self) -> None:
-        """FSDP2 (``trainer=fsdp``): shard the transformer per block, and the frozen full-fine-tuning reference the
-        same way; then the EMA is rebuilt on the sharded parameters (the optimizer is built after this hook). Other
-        strategies: nothing to do."""
-        from stepflow.sharding import is_sharded
-
-        strategy = self._trainer.strategy if self._trainer is not None else None
-        if not hasattr(strategy, "shard") or is_sharded(self.policy.transformer):
-            return
-        strategy.shard(self.policy.transformer)
-        ref = getattr(self.policy, "_ref_copy", None)
-        if ref:
-            strategy.shard(ref[0])
-        if self.ema is not None:  # fully_shard replaced the parameters: track the new (sharded) ones
-            self.ema = ParamEMA(self.policy.trainable_parameters(), self.ema.decay, self.ema.update_every)
-            self.learner.on_optimizer_step = self.ema.step
-        self.objective.attach(list(self.policy.trainable_parameters()))  # its copies too
+        """FSDP2: shard the policy (:func:`stepflow.shell.sharding.shard_module`); other strategies: nothing."""
+        shard_module(self, self._trainer.strategy if self._trainer is not None else None)
 
     def _backward(self, loss: torch.Tensor) -> None:
         if self._trainer is not None:
@@ -128,43 +112,17 @@ class GRPOModule(L.LightningModule):
         return {k: v for k, v in super().state_dict(*args, **kwargs).items() if k in trained}
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
-        checkpoint["stepflow"] = {
-            "iteration": self.iteration, "opt_steps": self.learner.opt_steps, "nfe_total": self.nfe_total,
-            "reward_images_total": self.reward_images_total, "spent": dict(self.spent),
-            "credit": self.learner.advantage.state_dict(),
-            "ema": None if self.ema is None else self.ema.state_dict(), "history": self.history,
-            "torch_rng": torch.get_rng_state(),
-            "signal": self.learner.weighting.state_dict(), "objective": self.objective.state_dict(),
-            "eval_pending": self.eval_pending,
-        }
+        checkpoint["stepflow"] = run_state.save(self)
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
-        from stepflow.checkpoint import check_compatible
+        from stepflow.shell.checkpoint import check_compatible
 
         # before Lightning loads the weights and the optimizer: another model's checkpoint is one line, not a shape
         # error deep in the optimizer's state (FSDP2 / DeepSpeed load the weights themselves and hand the rest here)
         if "state_dict" in checkpoint:
             where = getattr(self._trainer, "ckpt_path", None) if self._trainer is not None else None
             check_compatible(checkpoint, self.state_dict(), where or "", needs=("stepflow",))
-        s = checkpoint["stepflow"]
-        self.iteration, self.learner.opt_steps = s["iteration"], s["opt_steps"]
-        self.nfe_total, self.reward_images_total = s["nfe_total"], s["reward_images_total"]
-        self.learner.advantage.load_state_dict(s["credit"])
-        if self.ema is not None and s["ema"] is not None:
-            self.ema.load_state_dict(s["ema"])
-        self.history = list(s["history"])
-        # what was spent; a checkpoint from before loop.budget: summed from its history (the same counters)
-        self.spent = dict(s.get("spent") or {
-            "nfe": sum(float(h.get("cost/nfe_fwd_equiv", 0.0)) for h in self.history),
-            "seconds": sum(float(h.get("time/iteration_s", 0.0)) for h in self.history)})
-        self.learner.weighting.load_state_dict(s.get("signal"))
-        if s.get("objective"):
-            self.objective.load_state_dict(s["objective"])
-        self.eval_pending = bool(s.get("eval_pending", False))
-        for lg in self.loggers:
-            if hasattr(lg, "restore"):
-                lg.restore(self.history)
-        torch.set_rng_state(s["torch_rng"])
+        run_state.load(self, checkpoint["stepflow"])
 
     def _log(self, metrics: dict[str, float]) -> None:
         metrics = {k: float(v) for k, v in metrics.items()}
@@ -175,8 +133,6 @@ class GRPOModule(L.LightningModule):
 
     # ------------------------------------------------------------------ the iteration
     def on_train_start(self) -> None:
-        from stepflow import stop
-
         stop.reclaim()  # after the Trainer installed its own SIGTERM handler (a collective inside a signal handler)
         if self.global_rank == 0:
             from tqdm.auto import tqdm
@@ -189,7 +145,7 @@ class GRPOModule(L.LightningModule):
         if self._pbar is not None:
             self._pbar.close()
         if self.stop_reason is None:
-            state = self._gathered_trained()  # every rank: sharded weights are gathered by a collective
+            state = outputs.gathered_trained(self)  # every rank: sharded weights are gathered by a collective
             if self.global_rank == 0:
                 self.save_outputs(state)
 
@@ -209,24 +165,17 @@ class GRPOModule(L.LightningModule):
         done = self.iteration >= self.loop.iterations or self._budget_spent()
         evaluate = bool(every and self.iteration % every == 0) or done
         if self.budget is not None:  # eval.at_fractions of the budget: after the iteration that reaches each
-            from stepflow.budget import crossed
-
-            k = self.budget.kind
-            evaluate = evaluate or bool(crossed(before[k], self.spent[k], self.budget.total, self.eval_cfg.at_fractions))
+            evaluate = evaluate or self.budget.reaches(before, self.spent, self.eval_cfg.at_fractions)
             if self.iteration >= self.loop.iterations and not self._budget_spent() and self.global_rank == 0:
-                import logging
-
-                logging.getLogger("stepflow.train").warning(
-                    f"loop.iterations={self.loop.iterations} reached at {self.budget.fraction(self.spent):.0%} of "
-                    f"loop.budget ({self.budget}); raise loop.iterations to spend all of it")
+                self.budget.warn_capped(self.loop.iterations, self.spent)
         if evaluate:
             self._evaluate()
         # every rank decides together: a signal seen by one rank only (or by one rank earlier) must not stop it
         # alone, the others would wait in the next iteration's collectives (the budget is the same on every rank:
         # its counters are reduced over ranks)
         if Dist.from_module(self).stop_requested() and not done:
-            from stepflow import stop  # a stop seen here, between iterations: the run is not finished, so
-            # on_train_end must not write its final outputs (the adapter marks a finished run for every suite)
+            # a stop seen here, between iterations: the run is not finished, so on_train_end must not write its
+            # final outputs (the adapter marks a finished run for every suite)
             self.stop_reason = f"stopped by {stop.reason()} after iteration {self.iteration}"
             self.stop_signal = stop.reason()
             self.trainer.should_stop = True
@@ -240,7 +189,7 @@ class GRPOModule(L.LightningModule):
             self.eval_pending = False
 
     def _budget_spent(self) -> bool:
-        return self.budget is not None and self.spent[self.budget.kind] >= self.budget.total
+        return self.budget is not None and self.budget.spent_all(self.spent)
 
     def _guarded(self, fn):
         """``fn()``, or None after a stop request or a reward service that stays down: the run then stops cleanly
@@ -272,16 +221,7 @@ class GRPOModule(L.LightningModule):
             torch.save({"rewards": res.rewards, "advantages": res.advantages.advantages,
                         "group_ids": res.plan.group_ids, "prompts": res.plan.prompts}, d / f"iter_{self.iteration:04d}.pt")
         m = iteration_metrics(res, learner.dist)
-        self.iteration += 1
-        self.nfe_total += int(m["cost/nfe"])
-        self.reward_images_total += int(m["cost/reward_images"])
-        m["cost/nfe_total"], m["cost/reward_images_total"] = self.nfe_total, self.reward_images_total
-        # the budget's counters: identical on every rank (NFEs are summed over ranks, seconds the slowest rank's)
-        self.spent["nfe"] += float(m["cost/nfe_fwd_equiv"])
-        self.spent["seconds"] += learner.dist.all_max(float(m["time/iteration_s"]))
-        m["cost/nfe_fwd_equiv_total"], m["cost/train_seconds_total"] = self.spent["nfe"], self.spent["seconds"]
-        if self.budget is not None:
-            m["budget/fraction"] = self.budget.fraction(self.spent)
+        run_state.count(self, m, learner.dist)
         self._log(m)
         return m
 
@@ -292,46 +232,17 @@ class GRPOModule(L.LightningModule):
         return self._optimizer
 
     # ------------------------------------------------------------------ evaluation and outputs
-    @torch.no_grad()
     def run_evaluation(self) -> dict[str, float]:
         """Held-out prompts, ODE sampling, EMA weights; logs eval/<reward> (+ eval/geneval*) and writes a grid."""
-        from stepflow.heldout import balanced_subset, evaluate_reward, save_grid
-
-        dist = Dist.from_module(self)  # every rank samples and scores its share of the prompts
-        e = self.eval_cfg
-        recs = balanced_subset(self.eval_records, e.max_prompts)
-        guidance = e.guidance if e.guidance is not None else getattr(self.policy, "eval_guidance", 1.0)
-        with self.ema.applied() if self.ema is not None else contextlib.nullcontext():
-            res, images, prompts = evaluate_reward(self.policy, self.reward, recs, num_steps=e.num_steps,
-                                                   guidance=float(guidance), seed=e.seed, batch_size=e.batch_size,
-                                                   dist=dist)
-        if dist.rank == 0:
-            n = min(e.grid_prompts, len(prompts))
-            save_grid(images[:n], prompts[:n], self.run_dir / "eval_grids" / f"iter_{self.iteration:04d}.png")
-            self._log(res)
-        return res
+        return outputs.run_evaluation(self, Dist.from_module(self))
 
     def save_outputs(self, state: dict[str, torch.Tensor] | None = None) -> None:
         """Reward-curve PNG and the (EMA) adapter in diffusers format (``state``: gathered from shards)."""
-        from stepflow.plots import plot_curves
+        from stepflow.shell.plots import plot_curves
 
         plot_curves(self.history, self.run_dir / "reward_curve.png")
         self.save_trained(self.run_dir / self.policy.trained_subdir, state)
 
-    def _gathered_trained(self) -> dict[str, torch.Tensor] | None:
-        """FSDP2: the (EMA) trained weights gathered whole on rank 0 (every rank must call it); None unsharded."""
-        from stepflow.sharding import full_trained_state, is_sharded
-
-        if not is_sharded(self.policy.transformer):
-            return None
-        with self.ema.applied() if self.ema is not None else contextlib.nullcontext():
-            return full_trained_state(self.policy, self.policy.finetune == "full")
-
     def save_trained(self, out_dir: str | Path, state: dict[str, torch.Tensor] | None = None) -> Path:
-        """Write the (EMA) trained weights in diffusers format: the LoRA (``pipe.load_lora_weights(dir)``), or the
-        fully fine-tuned transformer (``transformer.save_pretrained``). ``state``: the weights gathered from FSDP2
-        shards (:meth:`_gathered_trained`, EMA already applied), written instead of the live ones."""
-        if state is not None:
-            return self.policy.save_trained(out_dir, state_dict=state)
-        with self.ema.applied() if self.ema is not None else contextlib.nullcontext():
-            return self.policy.save_trained(out_dir)
+        """The (EMA) trained weights in diffusers format (:func:`stepflow.shell.outputs.save_trained`)."""
+        return outputs.save_trained(self, out_dir, state)

@@ -202,7 +202,7 @@ class PretrainModule(pl.LightningModule):
     # ---------------------------------------------------------------- evaluation
     def eval_records(self) -> list[dict[str, Any]]:
         if self._eval_records is None:
-            from stepflow.heldout import balanced_subset
+            from stepflow.core.heldout import balanced_subset
             from stepflow.shapes import load_prompts
 
             recs = load_prompts(self.eval_cfg.split)
@@ -211,7 +211,7 @@ class PretrainModule(pl.LightningModule):
 
     @torch.no_grad()
     def run_eval(self, step: int) -> dict[str, Any]:
-        from stepflow.heldout import evaluate_geneval, format_table
+        from stepflow.core.heldout import evaluate_geneval, format_table
 
         t0 = time.perf_counter()
         self.ema.clear_cache()  # the EMA weights moved since the last evaluation
@@ -232,7 +232,7 @@ class PretrainModule(pl.LightningModule):
             with open(self.out_dir / "evals.jsonl", "a") as f:
                 f.write(json.dumps(row) + "\n")
             if e.save_grid:
-                from stepflow.heldout import save_grid
+                from stepflow.core.heldout import save_grid
 
                 idx = _first_per_category(recs, e.grid_per_category)
                 save_grid(images[idx], [recs[i]["prompt"] for i in idx], self.out_dir / "grids" / f"step{step:06d}.png",
@@ -358,7 +358,7 @@ def run(cfg) -> dict[str, Any]:
     # a resumed run continues with fresh data (the stream's seed includes the step it resumes from)
     start = 0
     if cfg.resume:
-        from stepflow.checkpoint import safe_load
+        from stepflow.shell.checkpoint import safe_load
 
         start = int(safe_load(cfg.resume, "resume").get("global_step", 0))
     d = cfg.data
@@ -403,7 +403,7 @@ def finalize(cfg, out: Path, history: list[dict[str, Any]], steps: int, train_ti
     ``selected/`` with a model card and, with ``export=true``, copy it to the package assets."""
     from dataclasses import asdict
 
-    from stepflow.heldout import balanced_subset, evaluate_geneval, format_table
+    from stepflow.core.heldout import balanced_subset, evaluate_geneval, format_table
     from stepflow.policies.shapes import ShapesPolicy, default_asset_dir
     from stepflow.shapes import load_prompts
 

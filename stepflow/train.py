@@ -63,7 +63,7 @@ class Settings:
     advantage: Any
     objective: Any
     window: Any
-    strategy: str = "single"  #: the trainer's strategy kind (stepflow.dist.strategy_kind_of_config)
+    strategy: str = "single"  #: the trainer's strategy kind (stepflow.core.dist.strategy_kind_of_config)
 
 
 def settings(cfg: DictConfig) -> Settings:
@@ -72,8 +72,8 @@ def settings(cfg: DictConfig) -> Settings:
     not after minutes of loading a model)."""
     from stepflow.cli import check_finite
     from stepflow.core import requirements
+    from stepflow.core.dist import strategy_kind_of_config
     from stepflow.core.parts import build_part, check_fields, from_option
-    from stepflow.dist import strategy_kind_of_config
 
     check_finite(cfg)
     seed = cfg.get("seed", 0)
@@ -116,7 +116,7 @@ def _choice(group: str) -> str | None:
 
 def build_module(cfg: DictConfig, run_dir: Path):
     """Everything but the Trainer: policy (+LoRA), reward, the parts, the group sampler, eval prompts."""
-    from stepflow.data import PromptPlanner, load_prompt_file
+    from stepflow.core.data import PromptPlanner, load_prompt_file
     from stepflow.grpo import GRPOModule
 
     s = settings(cfg)
@@ -137,7 +137,7 @@ def build_trainer(cfg: DictConfig, run_dir: Path):
     """The Lightning Trainer of ``cfg.trainer`` with the loggers of ``cfg.logger`` and the callbacks of
     ``cfg.callbacks`` (each a ``_target_`` node; their output goes to ``run_dir``), and what the GRPO loop fixes:
     one epoch per iteration, manual optimization, no validation loop, atomic checkpoint writes."""
-    from stepflow.checkpoint import AtomicCheckpointIO
+    from stepflow.shell.checkpoint import AtomicCheckpointIO
 
     loggers = [instantiate(node, f"logger.{name}", save_dir=str(run_dir))
                for name, node in _container(cfg.logger).items() if node]
@@ -170,7 +170,7 @@ def run(cfg: DictConfig, run_dir: Path):
     from lightning.pytorch.utilities.exceptions import SIGTERMException
     from torch.utils.data import DataLoader
 
-    from stepflow import stop
+    from stepflow.core import stop
     from stepflow.rundir import check_resume, global_rank, run_lock
 
     settings(cfg)  # every check that needs no model, before the run dir is touched

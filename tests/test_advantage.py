@@ -1,4 +1,4 @@
-"""stepflow.advantage (method.md §5, §6) against hand-computed numbers, explicit sums and a numpy re-implementation of
+"""stepflow.math.advantage (method.md §5, §6) against hand-computed numbers, explicit sums and a numpy re-implementation of
 Flow-GRPO's PerPromptStatTracker (flow_grpo/stat_tracking.py: np.mean / np.std (ddof 0) per prompt, + 1e-4)."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from stepflow.advantage import (
+from stepflow.math.advantage import (
     AdvantageConfig,
     AdvantageEstimator,
     EmaBaseline,

@@ -9,10 +9,10 @@ import pytest
 import torch
 from torch import Tensor
 
-from stepflow.coherence import StepSignal, pair_sums, signal_fraction
-from stepflow.loss import gain_variance_weights, guard_log_ratio, noise_weights, rms_weights
+from stepflow.math.coherence import StepSignal, pair_sums, signal_fraction
+from stepflow.math.loss import gain_variance_weights, guard_log_ratio, noise_weights, rms_weights
+from stepflow.math.window import WindowConfig, window_steps
 from stepflow.testing.harness import compose_config
-from stepflow.window import WindowConfig, window_steps
 
 
 # ------------------------------------------------------------------------------------------------ windows
@@ -54,8 +54,8 @@ def test_each_built_in_window_is_its_yaml_target(kind):
     from omegaconf import OmegaConf
 
     import stepflow.windows as windows
-    from stepflow.sde import CONF_DIR
-    from stepflow.window import WINDOWS
+    from stepflow.math.sde import CONF_DIR
+    from stepflow.math.window import WINDOWS
 
     cls_name, fields, union, keeps, smallest = WINDOW_BUILT_INS[kind]
     cls = getattr(windows, cls_name)
@@ -107,7 +107,7 @@ def test_window_union_holds_every_step_drawn():
 def test_window_keeps_states_and_tail_follow_the_post_solver():
     """Only MixGRPO-Flash's dpmpp2m post_solver leaves the grid after the window (keeps_states False, a tail); a
     post_solver is MixGRPO's field only."""
-    from stepflow.solvers import flash_grid
+    from stepflow.math.solvers import flash_grid
 
     grid = torch.linspace(1, 0, 11)
     flash = WindowConfig("mixgrpo", post_solver="dpmpp2m", post_compress_ratio=0.5)
@@ -164,8 +164,8 @@ def test_random_start_window_is_flow_grpo_fasts():
 
 
 def test_a_window_rolls_out_with_the_ode_outside_and_trains_only_inside(tmp_path):
-    from stepflow.algorithm import iteration
-    from stepflow.rollout import rollout
+    from stepflow.core.algorithm import iteration
+    from stepflow.core.rollout import rollout
     from stepflow.train import build_module
 
     module = build_module(compose_config("train", ["experiment=smoke", "sampler=flow_sde", "train.train_steps=null",
@@ -318,8 +318,8 @@ def test_step_signal_keeps_noise_steps_uniform():
 def test_grad_rms_update_combines_each_steps_gradient_at_the_rms_norm(tmp_path, monkeypatch):
     """train.weighting=grad_rms: the optimizer sees Σ_k (rms/|g_k|)·g_k / S, with g_k each step's own loss gradient
     (computed here independently with step_loss and autograd)."""
-    from stepflow.algorithm import step_loss, update
-    from stepflow.rollout import rollout
+    from stepflow.core.algorithm import step_loss, update
+    from stepflow.core.rollout import rollout
     from stepflow.train import build_module
 
     monkeypatch.setenv("STEPFLOW_CACHE", str(tmp_path / "cache"))

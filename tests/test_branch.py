@@ -1,4 +1,4 @@
-"""Branch rollouts (stepflow.branch): the completion grids, one SDE step from the anchor's state with its density,
+"""Branch rollouts (stepflow.core.branch): the completion grids, one SDE step from the anchor's state with its density,
 the Euler completion against an independent loop and against the rollout itself, and the NFE count."""
 
 from __future__ import annotations
@@ -8,14 +8,14 @@ import math
 import pytest
 import torch
 
-from stepflow.branch import branch_at, complete, completion_grid, completion_nfe
-from stepflow.sde import SamplerConfig
+from stepflow.core.branch import branch_at, complete, completion_grid, completion_nfe
+from stepflow.math.sde import SamplerConfig
 from stepflow.testing.harness import compose_config
 
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
-    from stepflow.rollout import rollout
+    from stepflow.core.rollout import rollout
     from stepflow.train import build_module
 
     m = build_module(compose_config("train", ["experiment=smoke"]), tmp_path_factory.mktemp("branch"))
@@ -146,7 +146,7 @@ def test_completion_rewards_are_the_rewards_of_ode_completed_states(tmp_path):
     """advantage.reward_source=completion: the estimate phase completes each needed state by the Euler ODE on the
     rest of the grid; on an ODE rollout every state's completion is the rollout's own final image (so every gain is
     0), and on an SDE rollout it equals an Euler loop written here."""
-    from stepflow.rollout import rollout
+    from stepflow.core.rollout import rollout
     from stepflow.rollouts.trajectory import estimate, states_needed
     from stepflow.train import build_module
 

@@ -1,4 +1,4 @@
-"""Branch credit (stepflow.branch_credit): TempFlow-GRPO's per-step advantages and noise-aware weights,
+"""Branch credit (stepflow.math.branch_credit): TempFlow-GRPO's per-step advantages and noise-aware weights,
 TurningPoint-GRPO's turning-point rewards and per-step advantages, Granular-GRPO's summed advantages. Each is checked
 on a hand-worked example (the numbers in the comments) and against an inline transcription of the released lines;
 then the edge cases (constant groups, no turning point, one sign only) and the 2.252 figure of TempFlow's weight."""
@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from stepflow.branch_credit import (
+from stepflow.math.branch_credit import (
     TEMPFLOW_WEIGHT_SCALE,
     g2rpo_advantages,
     per_step_advantages,
@@ -25,7 +25,7 @@ from stepflow.branch_credit import (
 
 
 def test_the_module_imports_torch_only():
-    src = (Path(__file__).resolve().parents[1] / "stepflow" / "branch_credit.py").read_text()
+    src = (Path(__file__).resolve().parents[1] / "stepflow" / "math" / "branch_credit.py").read_text()
     names = set()
     for node in ast.walk(ast.parse(src)):
         if isinstance(node, ast.Import):
@@ -108,7 +108,7 @@ def test_tempflow_weights_released_and_normalized():
 
 
 def test_the_2252_figure_on_sd3s_10_step_shift_3_grid():
-    from stepflow.sde import time_grid
+    from stepflow.math.sde import time_grid
 
     grid = time_grid(10, 3.0).to(torch.float64)  # [1, .9601, …, .0089, 0]
     t, t_next = grid[:-1], grid[1:]

@@ -1,4 +1,4 @@
-"""The branch-rollout iterations (stepflow.branch_loop: advantage=tempflow | g2rpo) and TurningPoint-GRPO's credit
+"""The branch-rollout iterations (stepflow.core.branch_loop: advantage=tempflow | g2rpo) and TurningPoint-GRPO's credit
 (advantage=turning_point), against loops written out here: Flow-GRPO's SDE step and Euler completions by hand, the
 rewards of the hand-made images, the released advantages by hand (numpy-style statistics), and the released losses'
 gradients (TempFlow-GRPO: the noise-weighted clipped surrogate, one optimizer step; Granular-GRPO: one optimizer step
@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch.distributions import Normal
 
-from stepflow.data import IterationPlan, seeded_normal
+from stepflow.core.data import IterationPlan, seeded_normal
 from stepflow.errors import StepflowError
 from stepflow.testing.harness import compose_config
 
@@ -90,7 +90,7 @@ def _hand_branches(m, plan, k_br, steps, grans=(1,)):
 
 
 def _capture_update(monkeypatch):
-    import stepflow.algorithm as bl
+    import stepflow.core.algorithm as bl
 
     seen = {}
     real = bl.update
@@ -122,7 +122,7 @@ def _colnorm(r, groups, eps, ddof):
 
 # ------------------------------------------------------------------------------------------------ anchors
 def test_anchor_rows_one_per_prompt_and_initial_noise():
-    from stepflow.branch_loop import anchor_rows
+    from stepflow.core.branch_loop import anchor_rows
 
     z = torch.tensor
     plan = IterationPlan(["a", "a", "a", "b", "b"], [{}] * 5, z([0, 0, 0, 1, 1]), z([10, 11, 12, 13, 14]),
@@ -140,7 +140,7 @@ def test_tempflow_branches_advantages_and_gradient_are_the_released_ones(tmp_pat
     N·K branches (population std + 1e-4) from the rewards of the hand-completed images, each row trains its own
     step only, and the optimizer step's gradient is that of mean_k w_k · mean_rows max(−Aρ, −A clip(ρ, 1 ± ϵ)),
     w_k = σ_k√Δt_k / mean over the trained steps (train_sd3_pr.py:954-955, normalised)."""
-    import stepflow.algorithm as alg
+    import stepflow.core.algorithm as alg
     import stepflow.core.update as upd
 
     m = _module(tmp_path, *TEMPFLOW, "train.micro_batch_size=5")
@@ -206,7 +206,7 @@ def test_tempflow_branches_advantages_and_gradient_are_the_released_ones(tmp_pat
 
 def test_tempflow_one_anchor_per_shared_noise(tmp_path):
     """With loop.same_latent=true the group's rows share one anchor: T NFEs per prompt, not per row."""
-    import stepflow.algorithm as alg
+    import stepflow.core.algorithm as alg
 
     m = _module(tmp_path, *TEMPFLOW[:2], "loop.same_latent=true", "train.timestep_fraction=0.75")
     res = alg.iteration(m.learner, 0)
@@ -220,7 +220,7 @@ def test_g2rpo_advantages_sum_granularities_and_each_step_takes_its_own_optimize
     (step, granularity) within the prompt's rows (train_g2rpo_hps.py:660-693), and one optimizer step per trained
     step: step k's gradient is that of mean over its rows of the clipped surrogate at the weights the previous
     step left (the loop over t_idx calling optimizer.step())."""
-    import stepflow.algorithm as alg
+    import stepflow.core.algorithm as alg
     import stepflow.core.update as upd
 
     m = _module(tmp_path, *G2RPO, "train.lr=0.05")
@@ -280,7 +280,7 @@ def test_g2rpo_advantages_sum_granularities_and_each_step_takes_its_own_optimize
 
 def test_update_per_step_without_branches_is_one_step_per_trained_step(tmp_path):
     """train.update_per_step on an ordinary rollout: as many optimizer steps as trained steps per chunk."""
-    import stepflow.algorithm as alg
+    import stepflow.core.algorithm as alg
 
     m = _module(tmp_path, "train.update_per_step=true", "train.train_steps=[0,2,3]", "advantage=uniform")
     res = alg.iteration(m.learner, 0)
@@ -293,7 +293,7 @@ def test_turning_point_scheme_by_hand():
     0.3, 0.2 | 0.5), row 1 R = (0.4, 0.2, 0.3 | 0.1). Both first steps are consistent turning points (s_1 > 0 and
     sign(d_1)·sign(R_sde − R_1) > 0), one per sign of Δ, so balancing keeps both: r = (R_sde − R_0, d_2) = (0.4, −0.1)
     and (−0.3, 0.1); each column normalised: ±0.35/(0.35 + 1e-4), ∓0.1/(0.1 + 1e-4); step 2 (outside) 0."""
-    from stepflow.advantage import AdvantageConfig, AdvantageEstimator
+    from stepflow.math.advantage import AdvantageConfig, AdvantageEstimator
 
     est = AdvantageEstimator(AdvantageConfig(scheme="turning_point", reward_source="completion"))
     assert est.states_needed([0, 1], 3) == [0, 1, 2, 3]
@@ -310,10 +310,10 @@ def test_turning_point_scheme_by_hand():
 def test_turning_point_reads_the_pure_ode_image_and_the_completions(tmp_path, monkeypatch):
     """With reward_source=completion the rewards the credit reads are R_0 = the image of a pure-ODE rollout from the
     same noise, R_t = the rollout's X_t completed by the ODE, R_T = the rollout's own image."""
-    import stepflow.algorithm as alg
+    import stepflow.core.algorithm as alg
     import stepflow.rollouts.trajectory as strategy
-    from stepflow.rollout import rollout
-    from stepflow.sde import SamplerConfig
+    from stepflow.core.rollout import rollout
+    from stepflow.math.sde import SamplerConfig
 
     m = _module(tmp_path, "advantage=turning_point", "window=fixed", "window.size=3", "sampler=cps")
     lr = m.learner

@@ -4,7 +4,7 @@
   L915-939, flow_grpo/diffusers_patch/sd3_sde_with_logprob.py L42-68, L91-92 (``train.weighting=guard_released``).
 - MixGRPO: Tencent-Hunyuan/MixGRPO e5cdd6a: fastvideo/utils/grpo_states.py L85-99, L136-148 (``window=mixgrpo``);
   MixGRPO-Flash: fastvideo/utils/sampling_utils.py L29-55, L112-144, L157-210, L273-447, L449-561
-  (:func:`stepflow.solvers.flash_grid`, :func:`stepflow.solvers.flash_tail`), and wired into the rollout
+  (:func:`stepflow.math.solvers.flash_grid`, :func:`stepflow.math.solvers.flash_tail`), and wired into the rollout
   (``window.post_solver=dpmpp2m``, ``rollout(tail=)``, ``experiment=league/mixgrpo_flash``).
 """
 
@@ -18,13 +18,13 @@ import pytest
 import torch
 
 from stepflow.config import TrainConfig
-from stepflow.loss import WEIGHTINGS, guard_log_ratio, guard_released_scale, policy_loss
+from stepflow.math.loss import WEIGHTINGS, guard_log_ratio, guard_released_scale, policy_loss
+from stepflow.math.sde import SamplerConfig, flow_sde_step, ode_step
+from stepflow.math.solvers import flash_grid, flash_num_post, flash_orders, flash_tail
+from stepflow.math.weighting import build_weighting
+from stepflow.math.window import WindowConfig, mixgrpo_position, window_steps
 from stepflow.objectives import Grpo
-from stepflow.sde import SamplerConfig, flow_sde_step, ode_step
-from stepflow.solvers import flash_grid, flash_num_post, flash_orders, flash_tail
 from stepflow.testing.harness import compose_config
-from stepflow.weighting import build_weighting
-from stepflow.window import WindowConfig, mixgrpo_position, window_steps
 
 
 # ================================================================================================================
@@ -126,7 +126,7 @@ def _module(tmp_path, *overrides):
 
 def test_an_empty_mixgrpo_window_rolls_out_the_ode_and_trains_nothing(tmp_path):
     """smoke: T = 4, so the window is range(cur, min(cur + 4, 2)): [0, 1], [1], [] (cur = 2), then [0, 1] again."""
-    from stepflow.algorithm import iteration
+    from stepflow.core.algorithm import iteration
 
     module = _module(tmp_path, "sampler=flow_sde", "advantage=uniform", "window=mixgrpo", "window.every=1",
                      "train.drop_zero_adv=false")  # the smoke policy's rewards are all 0: keep its rows trained
@@ -474,7 +474,7 @@ def test_league_guard_and_mixgrpo_compose_with_the_released_settings():
 
 
 def test_guard_released_trains_in_the_loop(tmp_path):
-    from stepflow.algorithm import iteration
+    from stepflow.core.algorithm import iteration
 
     module = _module(tmp_path, "sampler=flow_sde", "advantage=uniform", "train.weighting=guard_released",
                      "train.clip_eps=2e-6", "train.drop_zero_adv=false")  # the smoke policy's rewards are all 0
@@ -504,13 +504,13 @@ def _tiny(tmp_path_factory):
     (10, 1.0, [0, 1, 2, 3]), (10, 1.0, [2, 3, 4, 5]), (10, 1.0, [4, 5, 6, 7])])
 @pytest.mark.parametrize("ratio", [0.4, 0.2, 0.8])
 def test_a_flash_rollout_is_the_released_sampler_on_the_shapes_policy(_tiny, n, shift, window, ratio):
-    """stepflow.rollout.rollout(tail=post_tail(...)) against the transcription of run_sample_step above, with the tiny
+    """stepflow.core.rollout.rollout(tail=post_tail(...)) against the transcription of run_sample_step above, with the tiny
     shapes transformer as the model and the rollout's own row-seeded noise: the final latent, the states up to the
     window's end, the absent states (NaN, log-prob 0, untrainable), and the NFEs (the policy's counter)."""
-    from stepflow.data import seeded_normal
-    from stepflow.rollout import rollout
-    from stepflow.sde import fastvideo_time_grid
-    from stepflow.window import post_tail
+    from stepflow.core.data import seeded_normal
+    from stepflow.core.rollout import rollout
+    from stepflow.math.sde import fastvideo_time_grid
+    from stepflow.math.window import post_tail
 
     policy, plan = _tiny
     shape = tuple(policy.latent_shape)
@@ -547,9 +547,9 @@ def test_a_flash_rollout_is_the_released_sampler_on_the_shapes_policy(_tiny, n, 
 
 
 def test_a_flash_rollout_refuses_what_it_does_not_have(_tiny):
-    from stepflow.rollout import Trajectory, estimate_states, rollout, score
-    from stepflow.sde import fastvideo_time_grid
-    from stepflow.window import post_tail
+    from stepflow.core.rollout import Trajectory, estimate_states, rollout, score
+    from stepflow.math.sde import fastvideo_time_grid
+    from stepflow.math.window import post_tail
 
     policy, plan = _tiny
     grid = fastvideo_time_grid(10, 1.0)
@@ -578,11 +578,11 @@ def test_a_flash_rollout_refuses_what_it_does_not_have(_tiny):
 def test_a_flash_iteration_costs_the_prefix_the_window_and_the_tail(tmp_path):
     """NFEs of the rollout phase = B·(last + 1 + tail steps), against B·T for MixGRPO's Euler tail; the window's steps
     are trained; an empty window rolls out all-Euler and trains nothing; the overlapped phases run the same tail."""
-    from stepflow.algorithm import iteration
-    from stepflow.rollout import rollout
+    from stepflow.core.algorithm import iteration
+    from stepflow.core.rollout import rollout
+    from stepflow.math.solvers import flash_num_post
     from stepflow.rollouts.base import Context
     from stepflow.rollouts.trajectory import post_tail, rollout_and_score_overlapped
-    from stepflow.solvers import flash_num_post
 
     flash = _module(tmp_path / "flash", *_FLASH, "loop.num_steps=10", "window.every=1", "window.post_compress_ratio=0.8")
     euler = _module(tmp_path / "euler", *_FLASH, "loop.num_steps=10", "window.every=1", "window.post_solver=euler")
@@ -669,8 +669,8 @@ def test_league_mixgrpo_flash_trains(tmp_path):
 def test_the_flash_tail_has_the_rollout_grids_shift(tmp_path):
     """loop.time_grid=fastvideo loop.grid_shift=3 (the released grid): the tail is flash_grid(grid, last, r, 3) past the
     window (the released u = linspace(1, 0, T + 1)[last + 1], shifted by 3), not the shapes model's shift 1."""
+    from stepflow.math.solvers import flash_grid
     from stepflow.rollouts.trajectory import post_tail as _post_tail
-    from stepflow.solvers import flash_grid
 
     lr = _module(tmp_path, *_FLASH, "loop.num_steps=25", "loop.time_grid=fastvideo", "loop.grid_shift=3",
                  "window.post_compress_ratio=0.4").learner

@@ -1,4 +1,4 @@
-"""loop.budget (stepflow.budget): a run stops after the iteration that reaches its compute budget, evaluates at
+"""loop.budget (stepflow.core.budget): a run stops after the iteration that reaches its compute budget, evaluates at
 eval.at_fractions of it, and a resumed run stops where the uninterrupted one does."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from stepflow.budget import Budget, crossed, parse_budget
+from stepflow.core.budget import Budget, crossed, parse_budget
 from stepflow.testing.harness import smoke_config
 
 
@@ -129,7 +129,7 @@ def test_an_evaluation_a_stop_interrupts_runs_when_the_run_resumes(tmp_path, mon
     """A stop during the evaluation after a budget run's last iteration (SIGTERM while the held-out prompts are
     sampled) leaves last.ckpt at that iteration; resumed, the run is finished but its evaluation was never made:
     it runs first, the same numbers as the uninterrupted run's, and the outputs are written."""
-    from stepflow import stop
+    from stepflow.core import stop
     from stepflow.errors import StepflowError
     from stepflow.grpo import GRPOModule
 

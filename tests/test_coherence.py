@@ -1,4 +1,4 @@
-"""Gradient coherence (stepflow.coherence): closed forms, a Monte-Carlo check, and the per-step gradients of a real
+"""Gradient coherence (stepflow.math.coherence): closed forms, a Monte-Carlo check, and the per-step gradients of a real
 (tiny) GRPO module."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import math
 import pytest
 import torch
 
-from stepflow.algorithm import step_gradients
-from stepflow.coherence import mean_pairwise_cosine, signal_fraction
+from stepflow.core.algorithm import step_gradients
+from stepflow.math.coherence import mean_pairwise_cosine, signal_fraction
 from stepflow.testing.harness import compose_config
 
 
@@ -45,7 +45,7 @@ def test_signal_fraction_monte_carlo(rho):
 def test_step_gradients_are_the_loss_gradients_and_leave_weights_alone(tmp_path):
     """Linear in the advantages (on-policy ratio = 1, β = 0), zero for zero advantages, one row per step, weights
     unchanged and LoRA grads cleared afterwards."""
-    from stepflow.rollout import rollout
+    from stepflow.core.rollout import rollout
     from stepflow.train import build_module
 
     module = build_module(compose_config("train", ["experiment=smoke"]), tmp_path)
@@ -66,7 +66,7 @@ def test_step_gradients_are_the_loss_gradients_and_leave_weights_alone(tmp_path)
     for b, p in zip(before, pol.lora_parameters()):
         assert torch.equal(b, p.detach()) and p.grad is None
     # independent reference: on-policy (ratio 1) the GRPO gradient of step k is -mean_i A_ik grad log pi(x_k+1 | x_k)
-    from stepflow.sde import sde_step
+    from stepflow.math.sde import sde_step
 
     k = steps[0]
     params = list(pol.lora_parameters())

@@ -28,9 +28,9 @@ from stepflow.config import (
 from stepflow.core.parts import _import, build_part, option_node
 from stepflow.credits.base import Credit
 from stepflow.errors import StepflowError
+from stepflow.math.sde import SamplerConfig
 from stepflow.objectives.base import Objective
 from stepflow.samplers.base import Sampler
-from stepflow.sde import SamplerConfig
 from stepflow.testing.harness import compose_config
 from stepflow.windows.base import Window
 
@@ -273,8 +273,8 @@ def test_fsdp_config_builds_fsdp2_over_every_rank():
     import hydra.utils
     import torch
 
-    from stepflow.dist import reduces_every_backward, strategy_kind
-    from stepflow.sharding import FSDP2Strategy
+    from stepflow.core.dist import reduces_every_backward, strategy_kind
+    from stepflow.shell.sharding import FSDP2Strategy
 
     cfg = compose_config("train", ["trainer=fsdp", "model=sd35_medium"])
     s = hydra.utils.instantiate(cfg.trainer.strategy)
@@ -292,7 +292,7 @@ def test_fsdp_config_builds_fsdp2_over_every_rank():
 def test_deepspeed_config_clips_as_the_train_config_says():
     import hydra.utils
 
-    from stepflow.dist import strategy_kind
+    from stepflow.core.dist import strategy_kind
 
     cfg = compose_config("train", ["trainer=deepspeed", "train.max_grad_norm=0.5"])
     s = hydra.utils.instantiate(cfg.trainer.strategy)

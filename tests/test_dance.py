@@ -13,7 +13,7 @@ import torch
 from torch.distributions import Normal
 
 from stepflow.errors import StepflowError
-from stepflow.sde import SamplerConfig, dance_sde_step, fastvideo_time_grid, sde_step, step_std, time_grid
+from stepflow.math.sde import SamplerConfig, dance_sde_step, fastvideo_time_grid, sde_step, step_std, time_grid
 from stepflow.testing.harness import compose_config
 
 BASE = ["experiment=smoke", "reward=pickscore_tiny"]
@@ -152,7 +152,7 @@ def _module(tmp_path, *overrides):
 def test_the_rollout_and_the_update_run_on_the_fastvideo_grid(tmp_path, monkeypatch):
     """loop.time_grid=fastvideo: the iteration's trajectory (what the update steps on) holds FastVideo's grid with the
     policy's shift (loop.grid_shift overrides it); the policy's own grid (the held-out evaluation's) is unchanged."""
-    import stepflow.algorithm as alg
+    import stepflow.core.algorithm as alg
 
     seen = []
     real = alg.update
@@ -181,7 +181,7 @@ def test_the_rollout_and_the_update_run_on_the_fastvideo_grid(tmp_path, monkeypa
 def test_subset_counts_and_row_independence():
     """Every row trains int(S·fraction) distinct steps (released: int(15·0.6) = 9); a row's draw depends on its seed
     alone (the same on any rank, in any batch order); rows draw different subsets."""
-    from stepflow.algorithm import steps_per_sample, subset_steps
+    from stepflow.core.algorithm import steps_per_sample, subset_steps
 
     assert steps_per_sample(15, 0.6) == 9 and steps_per_sample(9, 0.6) == 5 and steps_per_sample(4, 0.6) == 2
     assert steps_per_sample(4, 0.9) == 3 and steps_per_sample(3, 0.2) == 0  # a floor (int()), not a rounding
@@ -197,7 +197,7 @@ def test_subset_counts_and_row_independence():
 
 def _grads_of_update(m, traj, adv, seeds):
     """The gradient the update would step with (the optimizer step is skipped), flattened."""
-    import stepflow.algorithm as alg
+    import stepflow.core.algorithm as alg
     import stepflow.core.update as upd
 
     lr = m.learner
@@ -220,7 +220,7 @@ def _grads_of_update(m, traj, adv, seeds):
 
 
 def _rollout(m):
-    from stepflow.rollout import rollout
+    from stepflow.core.rollout import rollout
 
     lr = m.learner
     plan = lr.plan.plan(0)
@@ -234,7 +234,7 @@ def test_the_update_is_the_released_mean_over_sample_step_pairs(tmp_path):
     """With the subset, the update's gradient is that of Σ_i Σ_{k ∈ S_i} max(−Aρ, −A clip(ρ, 1 ± ϵ))/(N·n), ρ from
     the Dance-SDE log-probs of the rollout's transitions written out here (fastvideo/train_grpo_flux.py L571-605 with
     grad_accum·train_timesteps = N·n), micro-batched by 3 rows."""
-    from stepflow.algorithm import subset_steps
+    from stepflow.core.algorithm import subset_steps
 
     m = _module(tmp_path, *DANCE, "train.micro_batch_size=3", "train.clip_eps=1e-4")
     lr = m.learner
@@ -266,7 +266,7 @@ def test_the_update_is_the_released_mean_over_sample_step_pairs(tmp_path):
 
 def test_the_subset_follows_the_row_not_its_place_in_the_batch(tmp_path):
     """The same rows in another order (another rank's shard layout, another shuffle) give the same gradient."""
-    from stepflow.rollout import Trajectory
+    from stepflow.core.rollout import Trajectory
 
     m = _module(tmp_path, *DANCE)
     plan, traj, adv = _rollout(m)
@@ -287,7 +287,7 @@ def test_lockstep_ranks_pad_each_term_and_end_at_the_last_backward(tmp_path):
     step (a one-process lockstep Dist stands in; the boundary calls are recorded)."""
     import dataclasses
 
-    from stepflow.algorithm import subset_steps
+    from stepflow.core.algorithm import subset_steps
 
     m = _module(tmp_path, *DANCE, "train.micro_batch_size=1")
     lr = m.learner
@@ -320,7 +320,7 @@ def test_fraction_one_trains_exactly_as_without_a_subset(tmp_path):
 def test_unbiased_group_std_by_hand():
     """(R − mean)/(std + 1e-8) with the sample std (ddof 1, torch's default): released L537-543; a constant group
     gets 0; the default (population std) is unchanged."""
-    from stepflow.advantage import AdvantageConfig, AdvantageEstimator, uniform_advantages
+    from stepflow.math.advantage import AdvantageConfig, AdvantageEstimator, uniform_advantages
 
     r = torch.tensor([1.0, 2.0, 3.0, 6.0, 5.0, 5.0, 5.0, 5.0])
     gid = torch.tensor([0, 0, 0, 0, 1, 1, 1, 1])

@@ -6,7 +6,7 @@ import collections
 
 import pytest
 
-from stepflow.data import PromptPlanner, balance_records, load_prompt_file
+from stepflow.core.data import PromptPlanner, balance_records, load_prompt_file
 from stepflow.errors import PromptFileError
 from stepflow.shapes import prompt_file
 

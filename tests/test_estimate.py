@@ -1,4 +1,4 @@
-"""stepflow.estimate (method.md §4) against closed forms for Gaussian data x0 ~ N(m, v0) with the exact velocity:
+"""stepflow.math.estimate (method.md §4) against closed forms for Gaussian data x0 ~ N(m, v0) with the exact velocity:
 Tweedie = E[x0|x_t] = m + (1−t) v0 (x − (1−t) m)/V_t and the probability-flow ODE map
 Φ_t(x) = m + sqrt(v0/V_t)·(x − (1−t) m), V_t = (1−t)² v0 + t² (the affine monotone map N((1−t)m, V_t) → N(m, v0))."""
 
@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from stepflow.estimate import estimate_x0, estimate_x0_with_nfe, substep_counts, tweedie_x0
+from stepflow.math.estimate import estimate_x0, estimate_x0_with_nfe, substep_counts, tweedie_x0
 
 M = torch.tensor([0.5, -1.0, 2.0])
 V0 = torch.tensor([0.25, 1.0, 0.04])

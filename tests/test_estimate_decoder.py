@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_estimates_use_the_tiny_decoder_and_the_final_image_the_vae(tmp_path, monkeypatch):
     from diffusers import AutoencoderTiny
 
-    from stepflow.rollout import estimate_states, rollout, score
+    from stepflow.core.rollout import estimate_states, rollout, score
     from stepflow.testing.tiny_policies import tiny_taesd_dir
     from stepflow.train import build_module
 

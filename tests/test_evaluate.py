@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from stepflow.heldout import balanced_subset, sample_ode, save_grid
+from stepflow.core.heldout import balanced_subset, sample_ode, save_grid
 from stepflow.policies.base import read_lora
 from stepflow.policies.shapes import ShapesPolicy
 from stepflow.testing.harness import compose_config
@@ -107,7 +107,7 @@ def test_evaluate_bad_path_is_one_line_error(tiny_dir, tmp_path, capsys, field, 
 def test_training_evaluation_table_and_its_shards(tiny_dir):
     """evaluate_reward: the GenEval table from the reward's own strict verdicts equals geneval_table on the same
     images, and two ranks that each sample half (gathered) give the one-process numbers and images."""
-    from stepflow.heldout import evaluate_reward
+    from stepflow.core.heldout import evaluate_reward
     from stepflow.rewards.shapes_geneval import ShapesGenEvalReward, geneval_table
     from stepflow.shapes import load_prompts
 

@@ -1,4 +1,4 @@
-"""stepflow.forward against independent references: numbers worked out by hand (shown in each test), transcriptions
+"""stepflow.math.forward against independent references: numbers worked out by hand (shown in each test), transcriptions
 of the released lines (NVlabs/DiffusionNFT @ 24af555 ``scripts/train_nft_sd3.py`` = "nft:L", and
 scxue/advantage_weighted_matching @ be51372 ``advantage_weighted_matching/scripts/train_sd3_awm.py`` = "awm:L"),
 copied inline with only ``config.*`` turned into arguments, and closed-form gradients derived in the docstrings."""
@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 
-from stepflow.forward import (
+from stepflow.math.forward import (
     advantageflow_loss,
     advantageflow_stable,
     advantageflow_target,

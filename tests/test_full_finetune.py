@@ -212,10 +212,10 @@ def test_one_full_finetune_grpo_update(dirs, family):
     """What the loop does in one GRPO update with ``finetune=full``: roll out (π_old), recompute log π_θ at the
     rollout's actions (ratio 1 on the first update), KL to ``reference()``, one AdamW step over
     ``trainable_parameters()``; every transformer weight that gets a gradient moves, the reference does not."""
-    from stepflow.data import IterationPlan
-    from stepflow.loss import policy_loss
-    from stepflow.rollout import rollout
-    from stepflow.sde import SamplerConfig, sde_step
+    from stepflow.core.data import IterationPlan
+    from stepflow.core.rollout import rollout
+    from stepflow.math.loss import policy_loss
+    from stepflow.math.sde import SamplerConfig, sde_step
 
     pol = _load(family, dirs[family], finetune="full")
     pol.prepare_reference()  # the loop: once at setup when train.beta_kl > 0

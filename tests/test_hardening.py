@@ -88,7 +88,7 @@ def test_training_runs_under_stepflows_signal_handler_only(tmp_path, monkeypatch
     """While the iterations run, SIGTERM / SIGINT reach stepflow's handler alone. Lightning's own SIGTERM handler
     (installed when fitting starts, chained before ours) runs a broadcast inside the handler on the signalled rank
     alone, which paired with an unrelated collective of the other rank and hung a 2-process FSDP2 run."""
-    from stepflow import stop
+    from stepflow.core import stop
     from stepflow.grpo import GRPOModule
     from stepflow.train import run
 
@@ -114,7 +114,7 @@ def test_a_stop_between_iterations_leaves_the_run_unfinished_and_resumable(tmp_p
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "experiments"))
     import report
 
-    from stepflow import stop
+    from stepflow.core import stop
     from stepflow.errors import StepflowError
     from stepflow.grpo import GRPOModule
     from stepflow.train import run
@@ -334,8 +334,8 @@ def test_a_run_written_before_a_field_existed_resumes(tmp_path):
 
 
 def test_a_full_disk_is_one_line_and_leaves_no_temporary_file(tmp_path):
-    from stepflow.checkpoint import atomic_write
-    from stepflow.loggers import MetricsCSVLogger
+    from stepflow.shell.checkpoint import atomic_write
+    from stepflow.shell.loggers import MetricsCSVLogger
 
     def full(fh):
         fh.write(b"x" * 1000)
@@ -385,7 +385,7 @@ def test_a_quoted_run_dir_with_equals_signs_is_read(tmp_path, cli):
 
 def test_non_finite_held_out_scores_are_counted_and_never_logged(tmp_path):
     """Evaluation: NaN / inf scores are left out of eval/<reward> and counted as eval/nonfinite_rewards."""
-    from stepflow.heldout import evaluate_reward
+    from stepflow.core.heldout import evaluate_reward
     from stepflow.train import build_module
 
     module = build_module(compose_config("train", ["experiment=smoke"]), tmp_path)
@@ -400,7 +400,7 @@ def test_non_finite_held_out_scores_are_counted_and_never_logged(tmp_path):
 
 
 def _images_and_prompts(module, recs):
-    from stepflow.heldout import sample_ode
+    from stepflow.core.heldout import sample_ode
 
     prompts = [r["prompt"] for r in recs]
     return sample_ode(module.policy, prompts, num_steps=2), prompts, recs

@@ -42,7 +42,7 @@ def _not_checkpoints(d: Path) -> dict[str, Path]:
 
 @pytest.mark.parametrize("kind", ["random", "empty", "truncated", "legacy_truncated", "other_zip"])
 def test_a_file_that_is_no_checkpoint_says_so(tmp_path, kind):
-    from stepflow.checkpoint import safe_load
+    from stepflow.shell.checkpoint import safe_load
 
     path = _not_checkpoints(tmp_path)[kind]
     with pytest.raises(StepflowError) as info:
@@ -54,7 +54,7 @@ def test_a_file_that_is_no_checkpoint_says_so(tmp_path, kind):
 
 
 def test_a_crafted_pickle_is_still_refused_without_running_code(tmp_path):
-    from stepflow.checkpoint import safe_load
+    from stepflow.shell.checkpoint import safe_load
 
     evil, marker = evil_checkpoint(tmp_path)
     with pytest.raises(StepflowError, match=r"ckpt_path: .*evil\.ckpt cannot be loaded as a checkpoint without "
@@ -98,7 +98,7 @@ def _ckpt(**state) -> dict:
 
 
 def test_a_checkpoint_of_another_model_is_one_line_naming_the_first_difference():
-    from stepflow.checkpoint import check_compatible
+    from stepflow.shell.checkpoint import check_compatible
 
     model = {"policy.a.lora_A.weight": torch.zeros(4, 32), "policy.a.lora_B.weight": torch.zeros(32, 4)}
     check_compatible(_ckpt(**{k: tuple(v.shape) for k, v in model.items()}), model, "last.ckpt")  # its own: passes
@@ -117,7 +117,7 @@ def test_a_checkpoint_of_another_model_is_one_line_naming_the_first_difference()
 
 
 def test_a_checkpoint_without_state_or_stepflow_entry_is_one_line():
-    from stepflow.checkpoint import check_compatible
+    from stepflow.shell.checkpoint import check_compatible
 
     with pytest.raises(StepflowError, match=r"^ckpt_path: x.ckpt is not a training checkpoint \(no state_dict\)"):
         check_compatible({"w": torch.zeros(2)}, {}, "x.ckpt")
@@ -139,7 +139,7 @@ def test_a_checkpoint_without_state_or_stepflow_entry_is_one_line():
     ("p.json", b'[{"prompt": "a"}]', r"data.eval_file: .*p.json is a .json file; stepflow reads .jsonl"),
 ], ids=["latin1_txt", "bad_byte_jsonl", "not_json", "no_prompt", "prompt_not_str", "json_list", "empty", "json"])
 def test_a_bad_prompt_file_names_its_field_and_where(tmp_path, name, data, needle):
-    from stepflow.data import load_prompt_file
+    from stepflow.core.data import load_prompt_file
     from stepflow.errors import PromptFileError
 
     (tmp_path / name).write_bytes(data)
@@ -149,7 +149,7 @@ def test_a_bad_prompt_file_names_its_field_and_where(tmp_path, name, data, needl
 
 
 def test_a_prompt_file_with_a_byte_order_mark_or_crlf_reads(tmp_path):
-    from stepflow.data import load_prompt_file
+    from stepflow.core.data import load_prompt_file
     from stepflow.errors import PromptFileError
 
     (tmp_path / "p.jsonl").write_bytes(b'\xef\xbb\xbf{"prompt": "a cat"}\r\n{"prompt": "a dog", "tag": "x"}\r\n')

@@ -276,7 +276,7 @@ def images():
 @pytest.fixture(scope="module")
 def model_samples():
     """128 samples of the shipped base model (10 ODE steps, seed 0) on the held-out prompts."""
-    from stepflow.heldout import sample_ode
+    from stepflow.core.heldout import sample_ode
     from stepflow.policies.shapes import ShapesPolicy
     from stepflow.shapes import load_prompts
 

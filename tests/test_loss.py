@@ -1,4 +1,4 @@
-"""stepflow.loss against autograd of the unclipped policy gradient, hand-computed clipped values,
+"""stepflow.math.loss against autograd of the unclipped policy gradient, hand-computed clipped values,
 torch.distributions.kl_divergence, and method.md's closed-form KLs in terms of Δv (§2, §3.5)."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ import pytest
 import torch
 from torch.distributions import Normal, kl_divergence
 
-from stepflow.loss import distill_loss, gaussian_kl, grpo_surrogate, policy_loss
-from stepflow.sde import SamplerConfig, sde_step, time_grid
+from stepflow.math.loss import distill_loss, gaussian_kl, grpo_surrogate, policy_loss
+from stepflow.math.sde import SamplerConfig, sde_step, time_grid
 
 
 def test_gradient_at_ratio_one_is_minus_adv_grad_log_prob():

@@ -22,7 +22,7 @@ def _module(tmp_path, *overrides):
 
 def _batch(module, it=0):
     """A rollout of iteration ``it`` under the objective's behaviour policy, its trained steps and random advantages."""
-    from stepflow.rollout import rollout
+    from stepflow.core.rollout import rollout
 
     lr = module.learner
     plan = lr.plan.plan(it)
@@ -59,7 +59,7 @@ def test_nft_term_is_the_released_formula_on_the_policys_velocities(tmp_path):
     """One NFT term: x_t from the rollout's X_T and the row's own noise at the row's own grid time, v_old from the old
     copy, the loss of NVlabs/DiffusionNFT train_nft_sd3.py L910-970 written out here, β_kl·KL to the LoRA-disabled
     reference."""
-    from stepflow.algorithm import step_loss
+    from stepflow.core.algorithm import step_loss
 
     m = _module(tmp_path, "objective=nft", "objective.beta=0.3", "train.beta_kl=0.01", "sampler=dpm2",
                 "loop.same_latent=false", "train.timestep_fraction=0.75")
@@ -107,7 +107,7 @@ def test_forward_draws_depend_on_the_row_alone(tmp_path):
 
 def test_the_rollout_runs_under_the_old_copy(tmp_path):
     """DiffusionNFT samples with the old adapter: the behaviour context swaps the old weights in and back."""
-    from stepflow.rollout import rollout
+    from stepflow.core.rollout import rollout
 
     m = _module(tmp_path, "objective=nft", "sampler=dpm2")
     lr, obj = m.learner, m.learner.objective
@@ -148,7 +148,7 @@ def test_awm_term_is_the_released_formula_with_shared_stratified_times(tmp_path)
     """AWM: every row trains at the same stratified grid indices of [1, int(0.9·T)) (discrete_wo_init); the term is
     −A·∇(−ghuber(ℓ)·t) on-policy + β·KL to the reference + ema_beta·KL to the fast EMA copy
     (train_sd3_awm.py L210-252, L1290-1352, written out here)."""
-    from stepflow.algorithm import step_loss
+    from stepflow.core.algorithm import step_loss
 
     m = _module(tmp_path, "objective=awm", "loop.num_steps=10", "train.beta_kl=0.003", "objective.ema_beta=0.5")
     lr, obj = m.learner, m.learner.objective
@@ -180,7 +180,7 @@ def test_awm_term_is_the_released_formula_with_shared_stratified_times(tmp_path)
 
 def test_awm_gradient_is_the_advantage_weighted_flow_matching_gradient(tmp_path):
     """On-policy AWM's policy-loss gradient equals that of mean_i A_i·w(ℓ_i, t) (the reshaped flow-matching loss)."""
-    from stepflow.algorithm import step_loss
+    from stepflow.core.algorithm import step_loss
 
     m = _module(tmp_path, "objective=awm", "loop.num_steps=10", "objective.ema_beta=0")
     lr, obj = m.learner, m.learner.objective
@@ -202,7 +202,7 @@ def test_awm_gradient_is_the_advantage_weighted_flow_matching_gradient(tmp_path)
 
 def test_advantageflow_term(tmp_path):
     """AdvantageFlow: A/5·‖f − x0‖² + γ‖f − f_old‖² + λ‖f − f_ref‖² (means over dims) with f = x_t − t·v."""
-    from stepflow.algorithm import step_loss
+    from stepflow.core.algorithm import step_loss
 
     m = _module(tmp_path, "objective=advantageflow", "objective.gamma=1.2", "objective.lam=0.4")
     lr, obj = m.learner, m.learner.objective
@@ -274,8 +274,8 @@ def test_resume_is_exact_with_the_weight_copies(tmp_path, objective):
 def test_every_forward_objective_trains_every_model_family(tmp_path, model):
     """nft, awm and advantageflow on each family's policy: a finite loss whose gradient reaches the trained weights
     (the per-sample training times go through each family's velocity)."""
-    from stepflow.algorithm import step_loss
     from stepflow.config import ObjectiveConfig
+    from stepflow.core.algorithm import step_loss
     from stepflow.objectives import build_objective
 
     m = _module(tmp_path, f"model={model}", "objective=nft")

@@ -136,7 +136,7 @@ def test_rank_credit_is_the_centred_group_rank_of_scipy(plugin_modules):
 def test_euler_maruyama_step_and_log_prob_against_torch_distributions(plugin_modules):
     from torch.distributions import Normal
 
-    from stepflow.sde import time_grid
+    from stepflow.math.sde import time_grid
 
     sampler = plugin_modules["em_sampler"].EulerMaruyama(sigma=0.7)
     assert sampler.has_density and not sampler.multistep and sampler.noise_field == "sampler.sigma"

@@ -271,8 +271,8 @@ def test_sde_steps_and_estimates_on_flux_grid(dirs, height, steps):
     """FLUX's shifted grid (512 px / 6 steps as Flow-GRPO, 1024 px / 28 steps as the model card): every sampler's
     per-step std and log-prob are finite (t = 1 handled by t_guard = τ_1), and the x̂0 estimate is exact for
     point-mass data (v = (x − c)/t) from every grid state."""
-    from stepflow.estimate import estimate_x0
-    from stepflow.sde import SamplerConfig, sde_step, step_std
+    from stepflow.math.estimate import estimate_x0
+    from stepflow.math.sde import SamplerConfig, sde_step, step_std
 
     pol = FluxPolicy(_load(dirs["dev"]).pipe, height=height, width=height, max_sequence_length=SEQ)
     grid = pol.time_grid(steps)
@@ -314,11 +314,11 @@ def test_sde_steps_and_estimates_on_flux_grid(dirs, height, steps):
 
 
 def test_rollout_on_the_policys_grid(policies):
-    """stepflow.rollout.rollout with the tiny FLUX policy: the trajectory's times are the policy's grid, log-probs
+    """stepflow.core.rollout.rollout with the tiny FLUX policy: the trajectory's times are the policy's grid, log-probs
     finite, and the ODE rollout equals the Euler sampler."""
-    from stepflow.data import IterationPlan
-    from stepflow.rollout import rollout
-    from stepflow.sde import SamplerConfig
+    from stepflow.core.data import IterationPlan
+    from stepflow.core.rollout import rollout
+    from stepflow.math.sde import SamplerConfig
 
     pol = policies["dev"]
     seeds = torch.tensor([3, 4])

@@ -35,7 +35,7 @@ def policy(tiny_dir):
 def _grid(policy, n):
     try:
         return policy.time_grid(n)
-    except ImportError:  # stepflow.sde not there yet: the scheduler's sigmas are the same grid
+    except ImportError:  # stepflow.math.sde not there yet: the scheduler's sigmas are the same grid
         from diffusers import FlowMatchEulerDiscreteScheduler
 
         s = FlowMatchEulerDiscreteScheduler(shift=policy.shift)

@@ -1,4 +1,4 @@
-"""``loop.retain_graph`` (stepflow.retain, docs/method.md §14): the on-policy update trains from the rollout's own
+"""``loop.retain_graph`` (stepflow.core.retain, docs/method.md §14): the on-policy update trains from the rollout's own
 forward pass. The reference is the recomputing update, which does not share the kept graphs: with retain on and off,
 the same gradient at every optimizer step (to fp32 rounding: the rollout evaluates a batch of 16, the update
 micro-batches of 8) and the same metrics for 3 iterations, for the step-0 default, the every-step recipe, uniform
@@ -49,7 +49,7 @@ def _module(tmp_path, *overrides):
 def _run(tmp_path, overrides, iterations=1):
     """``iterations`` iterations of a freshly built module: (the gradient of every optimizer step, the metrics of
     every iteration)."""
-    import stepflow.algorithm as alg
+    import stepflow.core.algorithm as alg
     import stepflow.core.update as upd
 
     m = _module(tmp_path, *overrides)
@@ -76,7 +76,7 @@ def _run_pair(tmp_path, overrides, iterations=3):
     After each iteration the second takes the first's weights and optimizer state, so every iteration of the two
     starts from the same bits and a difference is that iteration's own: rounding differences carried over would
     otherwise grow with the iterations (the KL's μ_θ − μ_ref, which cancels 4-5 digits, by 1e-4 at iteration 2)."""
-    import stepflow.algorithm as alg
+    import stepflow.core.algorithm as alg
     import stepflow.core.update as upd
 
     pair = [_module(tmp_path / "off", *overrides), _module(tmp_path / "on", *overrides, "loop.retain_graph=true")]
@@ -141,7 +141,7 @@ def test_the_rollout_is_the_same_with_its_graphs_kept(tmp_path):
     """Keeping the trained steps' graphs does not change the trajectory: the same states, log-probs and velocities
     (the retained forward runs the same weights with autograd on); the kept velocities are those velocities, with
     gradients to the trained weights."""
-    from stepflow.rollout import rollout
+    from stepflow.core.rollout import rollout
 
     m = _module(tmp_path, *EVERY)
     lr = m.learner
@@ -163,8 +163,8 @@ def test_the_kept_bytes_are_every_kept_steps_measured_by_hand(tmp_path):
     """The rollout measures the activations on its first kept step only and counts the others the same: measured
     step by step with SavedBytes on the rollout's own states, the kept steps save exactly as many bytes each, and
     their sum is ``kept_gib``."""
-    from stepflow.retain import SavedBytes
-    from stepflow.rollout import rollout
+    from stepflow.core.retain import SavedBytes
+    from stepflow.core.rollout import rollout
 
     m = _module(tmp_path, *EVERY)
     lr = m.learner
@@ -200,7 +200,7 @@ def test_auto_keeps_the_graphs_within_the_budget_and_recomputes_beyond(tmp_path,
 def test_dropout_in_the_transformer_is_refused_at_run_time(tmp_path):
     """The rollout runs in eval mode and the update in train mode: with an active dropout their forwards differ, so
     ``true`` refuses (a LoRA dropout is not a config field; the model's own modules are looked at)."""
-    import stepflow.algorithm as alg
+    import stepflow.core.algorithm as alg
 
     m = _module(tmp_path, *EVERY, "loop.retain_graph=true")
     m.learner.policy.transformer.add_module("_drop", torch.nn.Dropout(0.1))
@@ -240,7 +240,7 @@ def test_bad_values_are_one_line(value, needle):
 def test_saved_bytes_counts_what_autograd_saves():
     """Closed forms: ``exp`` saves its output (n floats), ``x * y`` both inputs, ``x @ W`` with W a weight only x;
     the same tensor saved twice counts once; nothing is counted outside the block."""
-    from stepflow.retain import SavedBytes
+    from stepflow.core.retain import SavedBytes
 
     x = torch.randn(1000, requires_grad=True)
     with SavedBytes() as s:
@@ -296,7 +296,7 @@ def _glibc() -> bool:
 @pytest.mark.skipif(not _glibc(), reason="glibc's malloc")
 def test_the_memory_the_backward_frees_is_the_next_rollouts(tmp_path, run_module):
     """The kept graphs' activations, freed together by the update's backward, are the next iteration's rollout and
-    estimate memory (``loop.retain_keep_memory``, stepflow.retain.keep_freed_memory): from the second iteration on,
+    estimate memory (``loop.retain_keep_memory``, stepflow.core.retain.keep_freed_memory): from the second iteration on,
     those phases fault in a few pages (iterations 2 and 3 together: 12-16 % of what the graphs hold, most of it in the
     second while the heap grows to its peak), while glibc left alone returns the memory to the OS and the rollout and
     estimate fault much of it back in (77-177 % over the two; glibc's own thresholds adapt now and then, so one
@@ -319,7 +319,7 @@ def test_the_memory_the_backward_frees_is_the_next_rollouts(tmp_path, run_module
 
 
 def test_keep_freed_memory_is_applied_once_and_a_bad_value_is_one_line(cli, tmp_path):
-    from stepflow import retain
+    from stepflow.core import retain
 
     assert retain.keep_freed_memory() is _glibc() and retain.keep_freed_memory() is _glibc()
     r = cli("stepflow.train", "experiment=smoke", f"hydra.run.dir={tmp_path}", "loop.retain_keep_memory=sometimes")
@@ -327,7 +327,7 @@ def test_keep_freed_memory_is_applied_once_and_a_bad_value_is_one_line(cli, tmp_
     assert r.returncode != 0 and len(err) == 1 and "loop.retain_keep_memory" in err[0], r.stderr[-2000:]
 
 
-#: the per-phase peak resident set needs Linux's /proc/self/clear_refs (stepflow.algorithm._reset_peak_rss)
+#: the per-phase peak resident set needs Linux's /proc/self/clear_refs (stepflow.core.algorithm._reset_peak_rss)
 needs_clear_refs = pytest.mark.skipif(not os.access("/proc/self/clear_refs", os.W_OK),
                                       reason="Linux's /proc/self/clear_refs")
 
@@ -337,7 +337,7 @@ def test_each_phase_reports_its_own_peak_resident_set():
     """``mem/peak_rss_gib_<phase>`` (the CPU's counterpart of CUDA's per-phase peak): a phase that touches 256 MiB and
     frees them peaks that much above the next phase, which touches nothing (the peak is reset at each phase's start:
     without the reset the second phase reports the first one's peak)."""
-    from stepflow.algorithm import Phases, _peak_rss_gib
+    from stepflow.core.algorithm import Phases, _peak_rss_gib
 
     class _Policy:
         device, nfe, nfe_grad = torch.device("cpu"), 0, 0
@@ -384,7 +384,7 @@ def test_bench_memory_trains_each_variant_in_its_own_process(tmp_path, capsys):
 def test_a_retaining_cpu_run_under_glibc_says_how_to_preload_tcmalloc(tmp_path, caplog, monkeypatch):
     """Under glibc's malloc the kept graphs fragment the heap (docs/results.md, "What it costs in memory"): a retaining
     CPU run logs once how to preload tcmalloc; under a preloaded allocator, or recomputing, nothing is said."""
-    from stepflow import retain
+    from stepflow.core import retain
 
     monkeypatch.delenv("LD_PRELOAD", raising=False)
     hint = retain.allocator_hint()

@@ -285,8 +285,8 @@ def test_serve_reward_config_composes(compose):
 
 @pytest.fixture
 def stop_flag():
-    """stepflow.stop cleared before and after; ``later(s)`` requests a stop ``s`` seconds from now."""
-    from stepflow import stop
+    """stepflow.core.stop cleared before and after; ``later(s)`` requests a stop ``s`` seconds from now."""
+    from stepflow.core import stop
 
     stop.clear()
     timers = []
@@ -335,7 +335,7 @@ def test_remote_stop_interrupts_the_backoff(stop_flag):
 
 
 def test_remote_stop_already_requested_sends_nothing(stop_flag):
-    from stepflow import stop
+    from stepflow.core import stop
     from stepflow.errors import StopRequested
 
     stop.request("test")

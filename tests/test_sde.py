@@ -1,4 +1,4 @@
-"""stepflow.sde against independent references: diffusers' scheduler, method.md's printed numbers, closed-form
+"""stepflow.math.sde against independent references: diffusers' scheduler, method.md's printed numbers, closed-form
 formulas re-derived here in plain python/numpy (the x̂0/x̂1 forms of method.md, not the code's forms),
 torch.distributions, and Monte-Carlo sampling of Gaussian data with the exact velocity field."""
 
@@ -13,8 +13,7 @@ import torch
 from diffusers import FlowMatchEulerDiscreteScheduler
 from torch.distributions import Normal
 
-from stepflow.samplers import Cps, DanceSde, DdimSde, Dpm2, FlowSde, Ode, Sampler
-from stepflow.sde import (
+from stepflow.math.sde import (
     CONF_DIR,
     SAMPLERS,
     SamplerConfig,
@@ -27,6 +26,7 @@ from stepflow.sde import (
     step_std,
     time_grid,
 )
+from stepflow.samplers import Cps, DanceSde, DdimSde, Dpm2, FlowSde, Ode, Sampler
 
 # method.md §1, printed to 4 decimals.
 TAU10 = [1.0000, 0.9601, 0.9133, 0.8577, 0.7904, 0.7073, 0.6022, 0.4649, 0.2780, 0.0089, 0.0]
@@ -374,7 +374,7 @@ def test_each_built_in_is_its_yaml_target_with_the_old_defaults_and_flags(name):
 
 @pytest.mark.parametrize("name", sorted(BUILT_INS))
 def test_each_built_in_steps_as_its_math_function(name):
-    """Sampler.step / std / rollout_step against the per-sampler functions of stepflow.sde (bit-identical), with
+    """Sampler.step / std / rollout_step against the per-sampler functions of stepflow.math.sde (bit-identical), with
     non-default fields."""
     x, v, t, s, g = _random_batch()
     n = torch.randn_like(x)

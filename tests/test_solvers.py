@@ -1,4 +1,4 @@
-"""stepflow.solvers (DiffusionNFT's ``dpm2`` rollout sampler) against independent references: diffusers'
+"""stepflow.math.solvers (DiffusionNFT's ``dpm2`` rollout sampler) against independent references: diffusers'
 ``DPMSolverMultistepScheduler`` on a closed-form velocity field, a hand-written transcription of the released code
 (NVlabs/DiffusionNFT@24af555 ``flow_grpo/diffusers_patch/solver.py``), the exact ODE solution of Gaussian data, and
 ``rollout(sampler=dpm2)`` on a tiny policy against the pure solver run by hand."""
@@ -12,8 +12,8 @@ import pytest
 import torch
 from diffusers import DPMSolverMultistepScheduler
 
-from stepflow.sde import SAMPLERS, SamplerConfig, ode_step, sde_step, step_std, time_grid
-from stepflow.solvers import (
+from stepflow.math.sde import SAMPLERS, SamplerConfig, ode_step, sde_step, step_std, time_grid
+from stepflow.math.solvers import (
     ddim0_update,
     dpm2_orders,
     dpm2_second_order_update,
@@ -396,7 +396,7 @@ def tiny_policy():
 
 
 def _plan():
-    from stepflow.data import IterationPlan
+    from stepflow.core.data import IterationPlan
 
     seeds = torch.arange(3)
     return IterationPlan(["a photo of a red circle", "a blue square on the green", "a red circle"], [{}] * 3,
@@ -405,8 +405,8 @@ def _plan():
 
 @pytest.mark.parametrize("num_steps", [1, 2, 6])
 def test_rollout_dpm2_equals_the_solver_by_hand(tiny_policy, num_steps):
-    from stepflow.data import seeded_normal
-    from stepflow.rollout import rollout
+    from stepflow.core.data import seeded_normal
+    from stepflow.core.rollout import rollout
 
     pol, plan = tiny_policy, _plan()
     traj = rollout(pol, plan, SamplerConfig("dpm2"), num_steps, 1.0)
@@ -430,7 +430,7 @@ def test_rollout_dpm2_equals_the_solver_by_hand(tiny_policy, num_steps):
 def test_rollout_dpm2_window_and_depth(tiny_policy):
     """With sde_steps, steps outside take the Euler step; a dpm2 step inside uses the x̂0 of the state before it and
     the order of its grid index. depth stops early with the same states."""
-    from stepflow.rollout import rollout
+    from stepflow.core.rollout import rollout
 
     pol, plan, n = tiny_policy, _plan(), 6
     window = [2, 3]
@@ -456,7 +456,7 @@ def test_rollout_dpm2_window_and_depth(tiny_policy):
 
 def test_rollout_other_samplers_unchanged(tiny_policy):
     """The Euler rollout is still ode_step at every state (the dpm2 branch does not touch other samplers)."""
-    from stepflow.rollout import rollout
+    from stepflow.core.rollout import rollout
 
     pol, plan, n = tiny_policy, _plan(), 4
     traj = rollout(pol, plan, SamplerConfig("ode"), n, 1.0)

@@ -272,7 +272,7 @@ def test_gain_trained_does_only_the_work_its_credit_uses(tmp_path, monkeypatch):
     """advantage=gain_trained with step 1 trained: the rollout stops after X_2, only X_1 and X_2 are estimated and
     scored, and the advantages, loss and gradient equal those of gain_per_step on the full rollout (at one trained
     step both normalise that step's gains per group)."""
-    from stepflow.algorithm import iteration, iteration_metrics
+    from stepflow.core.algorithm import iteration, iteration_metrics
     from stepflow.train import build_module
 
     monkeypatch.setenv("STEPFLOW_CACHE", str(tmp_path / "cache"))  # reward=pickscore_tiny: scores with variance
@@ -307,7 +307,7 @@ def test_overlapped_reward_calls_give_the_sequential_iteration(tmp_path, monkeyp
     behind the next chunk's rollout."""
     import time as _time
 
-    from stepflow.algorithm import iteration, iteration_metrics
+    from stepflow.core.algorithm import iteration, iteration_metrics
     from stepflow.train import build_module
 
     monkeypatch.setenv("STEPFLOW_CACHE", str(tmp_path / "cache"))
@@ -355,7 +355,7 @@ def test_compiled_transformer_gives_the_eager_velocity_and_trains(tmp_path):
 def test_estimate_chunks_give_the_same_estimates(tmp_path):
     """loop.estimate_chunk only bounds the states per model call: the estimates agree to float rounding (the
     batched kernels' summation order; on the shipped shapes model chunks of 16, 64 and 160 were bit-identical)."""
-    from stepflow.rollout import estimate_states, rollout
+    from stepflow.core.rollout import estimate_states, rollout
     from stepflow.train import build_module
 
     m = build_module(make_cfg(), tmp_path)
@@ -371,7 +371,7 @@ def test_lockstep_padding_micro_batches_train_nothing(tmp_path, monkeypatch):
     ones at loss weight 0, so every rank makes the same forward / backward passes. Here one process stands in for a
     rank whose peer holds 3 micro-batches more per chunk: it runs exactly those extra passes, and its gradient,
     weights and logged statistics are those of the run without them."""
-    from stepflow import dist as dist_mod
+    from stepflow.core import dist as dist_mod
     from stepflow.train import build_module
 
     class Peer(dist_mod.Dist):  # a rank whose peer has 3 more micro-batches in every chunk

@@ -24,7 +24,7 @@ Row = tuple[str, Callable[[Any], bool], Callable[[Any], str]]
 
 
 def _grid(s):
-    from stepflow.sde import time_grid
+    from stepflow.math.sde import time_grid
 
     return time_grid(s.loop.num_steps, shift=1.0)  # noise-free steps do not depend on the shift (σ = 0 at the ends)
 
@@ -83,7 +83,7 @@ def _nothing_message(s) -> str:
 
 
 def _per_step(s) -> bool:
-    from stepflow.weighting import build_weighting
+    from stepflow.math.weighting import build_weighting
 
     return build_weighting(s.train.weighting).per_step
 
@@ -109,9 +109,9 @@ def _window_not_from_zero(s) -> bool:
 
 
 def _retain_why_not(s) -> str | None:
-    """``loop.retain_graph=true`` where the update cannot train from the rollout's graphs (:func:`stepflow.retain.
+    """``loop.retain_graph=true`` where the update cannot train from the rollout's graphs (:func:`stepflow.core.retain.
     why_not`, retain's own table of reasons)."""
-    from stepflow import retain
+    from stepflow.core import retain
 
     if retain.mode(s.loop.retain_graph) != "on":
         return None

@@ -1,11 +1,11 @@
 """The policy update of one iteration (docs/method.md §10): the objective's terms over the trained rows, the
-optimizer steps, and their diagnostics. :func:`stepflow.algorithm.iteration` calls :func:`update` once per iteration.
+optimizer steps, and their diagnostics. :func:`stepflow.core.algorithm.iteration` calls :func:`update` once per iteration.
 
 The update is resolved first (:func:`plan_update`: a :class:`TermPlan`, which rows train in which optimizer steps,
 which terms of which rows, at which scale), then run as one loop over its optimizer steps (:func:`optimizer_steps`,
 each a list of :class:`Work` items: one term over its micro-batches). ``train.update_per_step`` is more optimizer
 steps in the plan; the per-step weightings (``train.weighting=grad_rms | auto``) combine each step's gradient
-themselves (:meth:`stepflow.weighting.Weighting.combine`)."""
+themselves (:meth:`stepflow.math.weighting.Weighting.combine`)."""
 
 from __future__ import annotations
 
@@ -16,11 +16,11 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from stepflow.dist import Dist, clip_grad_norm
+from stepflow.core.dist import Dist, clip_grad_norm
+from stepflow.core.rollout import Trajectory
 from stepflow.errors import NonFiniteUpdate
-from stepflow.rollout import Trajectory
 
-#: a :class:`stepflow.algorithm.Learner` (not imported here: the iteration imports this module)
+#: a :class:`stepflow.core.algorithm.Learner` (not imported here: the iteration imports this module)
 Learner = Any
 
 __all__ = ["update", "step_loss", "step_gradients", "subset_steps", "steps_per_sample", "clip_and_step", "TermPlan",
@@ -35,7 +35,7 @@ def update(learner: Learner, traj: Trajectory, adv: Tensor, x0_hat: Tensor | Non
     work items (a term over micro-batches; each micro-batch's loss, :func:`step_loss`, a mean over its rows, weighted
     by its share of the step's rows on every rank times the item's scale) and stepping (:func:`clip_and_step`).
     ``train.weighting`` = grad_rms / auto combine the steps' gradients instead
-    (:meth:`stepflow.weighting.Weighting.combine`); ``measure``: add this update's gradients to the auto-step signal
+    (:meth:`stepflow.math.weighting.Weighting.combine`); ``measure``: add this update's gradients to the auto-step signal
     estimate (``groups``: (B_local,) group ids, to split the batch into independent halves). adv: (B_local, T).
     ``loop.retain_graph``: the terms' velocities are the rollout's, with their graphs; their losses are summed and
     back-propagated once per optimizer step (a graph is freed by its first backward). Returns diagnostics (means
@@ -109,7 +109,7 @@ class Work:
     then its lockstep pads (:func:`lockstep_pads`; this rank's first row at loss weight 0: no gradient, no statistic).
     A real micro-batch's loss (a mean over its rows) weighs ``scale·len(mb)/n_global`` (``n_global``: the rows of
     the optimizer step, or of the term's own step, on every rank); ``last``: its last backward ends the optimizer
-    step (:meth:`stepflow.dist.Dist.boundary`)."""
+    step (:meth:`stepflow.core.dist.Dist.boundary`)."""
 
     k: int
     batches: list[tuple[Tensor, bool]]
@@ -150,7 +150,7 @@ def plan_update(learner: Learner, traj: Trajectory, adv: Tensor, it: int, steps:
     loss is weighted ``weights[j]/(N·int(S·fraction))``, N the chunk's rows on every rank: the released
     ``mean max(−Aρ, −A clip(ρ, 1 ± ϵ))/(grad_accum·train_timesteps)`` summed over an optimizer step's samples and
     their steps (fastvideo/train_grpo_flux.py L571-611). ``mask``: (B_local, S) bool, the same per-row subset given by
-    the caller instead of drawn (the branch rollouts of :mod:`stepflow.branch_loop`: each branch row trains its own
+    the caller instead of drawn (the branch rollouts of :mod:`stepflow.core.branch_loop`: each branch row trains its own
     step only); every row must train the same number of terms.
 
     ``train.update_per_step`` (Granular-GRPO): one optimizer step per term, each over the chunk's rows that train
@@ -177,7 +177,7 @@ def plan_update(learner: Learner, traj: Trajectory, adv: Tensor, it: int, steps:
         chunks = []
     # loop.retain_graph: the rollout's graphs serve one optimizer step (a graph is freed by its first backward)
     if traj.kept is not None and (len(chunks) > 1 or o.update_per_step or learner.weighting.per_step):
-        from stepflow.retain import why_not_at_runtime
+        from stepflow.core.retain import why_not_at_runtime
 
         raise ValueError(f"loop.retain_graph: the rollout's graphs serve one optimizer step over every term; "
                          f"{why_not_at_runtime(learner) or 'this update takes several'}")
@@ -253,7 +253,7 @@ def optimizer_steps(plan: TermPlan, dist: Dist) -> Iterator[OptStep]:
 
 
 def lockstep_pads(dist: Dist, counts: int | list[int]) -> int | list[int]:
-    """FSDP2 / DeepSpeed (:attr:`~stepflow.dist.Dist.lockstep`): every forward and backward is a collective, so every
+    """FSDP2 / DeepSpeed (:attr:`~stepflow.core.dist.Dist.lockstep`): every forward and backward is a collective, so every
     rank runs as many micro-batches as the rank with most; how many extra ones this rank runs for ``counts`` (its
     micro-batches of one step: an int, one ``all_max``; of every term: a list, one ``all_max_tensor``). 0 otherwise
     (no collective)."""
@@ -399,7 +399,7 @@ def step_loss(learner: Learner, traj: Trajectory, adv: Tensor, k: int, rows: Ten
 
 def step_gradients(learner: Learner, traj: Trajectory, adv: Tensor, steps: Sequence[int]) -> Tensor:
     """Flattened gradient (of the trained weights) of the GRPO loss of each step in ``steps`` over the whole batch:
-    (len(steps), D), the input of :func:`stepflow.coherence.signal_fraction`.
+    (len(steps), D), the input of :func:`stepflow.math.coherence.signal_fraction`.
 
     The loss is the training loop's own (:func:`step_loss` of ``learner``, β·KL included); ``traj``/``adv`` come
     from one rollout and its advantages. The weights are not changed; gradients of the LoRA parameters are left

@@ -8,7 +8,7 @@ A credit is a part (``advantage=<option>``: one class and its YAML). The core as
   their ODE completions, or branches of an ODE anchor);
 - ``trains_window_from_zero``: it reads an SDE window that starts at step 0 (TurningPoint-GRPO);
 
-and calls it: :meth:`Credit.__call__` (rewards (B, T+1) -> :class:`~stepflow.advantage.AdvantageOut`) or, for a
+and calls it: :meth:`Credit.__call__` (rewards (B, T+1) -> :class:`~stepflow.math.advantage.AdvantageOut`) or, for a
 branched credit, :meth:`branch_advantages`. A new scheme overrides :meth:`advantages` (and the flags it changes).
 Statistics are float64, advantages float32, clipped to ±``adv_clip``.
 """
@@ -20,7 +20,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from stepflow.advantage import AdvantageOut, _group_index
+from stepflow.math.advantage import AdvantageOut, _group_index
 
 __all__ = ["Credit", "STD_SCOPES", "REWARD_SOURCES"]
 

@@ -9,11 +9,11 @@ __all__ = ["G2rpo"]
 
 
 class G2rpo(BranchCredit):
-    """:func:`stepflow.branch_credit.g2rpo_advantages` on the (B·K, S, G) branch rewards."""
+    """:func:`stepflow.math.branch_credit.g2rpo_advantages` on the (B·K, S, G) branch rewards."""
 
     name = "g2rpo"
 
     def column_advantages(self, rewards, group_ids):
-        from stepflow.branch_credit import g2rpo_advantages
+        from stepflow.math.branch_credit import g2rpo_advantages
 
         return g2rpo_advantages(rewards, group_ids, eps=self.eps)

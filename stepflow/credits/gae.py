@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-from stepflow.advantage import gae
 from stepflow.credits.gain import GainCredit
+from stepflow.math.advantage import gae
 
 __all__ = ["Gae"]
 
 
 class Gae(GainCredit):
-    """``A_k = G_k + γλ·A_{k+1}`` (:func:`stepflow.advantage.gae`), then normalised; ``gamma``, ``lam`` in [0, 1]."""
+    """``A_k = G_k + γλ·A_{k+1}`` (:func:`stepflow.math.advantage.gae`), then normalised; ``gamma``, ``lam`` in [0, 1]."""
 
     name = "gae"
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from stepflow.advantage import gains, group_normalize, normalize_per_step
 from stepflow.credits.base import Credit
+from stepflow.math.advantage import gains, group_normalize, normalize_per_step
 
 __all__ = ["GainCredit", "Gain"]
 

@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-from stepflow.advantage import EmaBaseline
 from stepflow.credits.gain import GainCredit
+from stepflow.math.advantage import EmaBaseline
 
 __all__ = ["GainEma"]
 
 
 class GainEma(GainCredit):
-    """``G_k − b_k`` with the EMA baseline ``b_k ← α·b_k + (1−α)·mean_i G_k`` (:class:`stepflow.advantage.EmaBaseline`:
+    """``G_k − b_k`` with the EMA baseline ``b_k ← α·b_k + (1−α)·mean_i G_k`` (:class:`stepflow.math.advantage.EmaBaseline`:
     the batch is centred by the baseline before it sees the batch); ``ema_alpha`` = α. Its state is checkpointed."""
 
     name = "gain_ema"

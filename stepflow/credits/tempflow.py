@@ -9,13 +9,13 @@ __all__ = ["TempFlow"]
 
 
 class TempFlow(BranchCredit):
-    """:func:`stepflow.branch_credit.tempflow_advantages` on the (B·K, S) branch rewards (one completion per
+    """:func:`stepflow.math.branch_credit.tempflow_advantages` on the (B·K, S) branch rewards (one completion per
     branch: ``granularities`` [1])."""
 
     name = "tempflow"
 
     def column_advantages(self, rewards, group_ids):
-        from stepflow.branch_credit import tempflow_advantages
+        from stepflow.math.branch_credit import tempflow_advantages
 
         if rewards.shape[2] != 1:
             raise ValueError(f"advantage=tempflow: one completion per branch (granularities [1]), got {rewards.shape[2]}")

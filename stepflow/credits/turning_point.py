@@ -13,8 +13,8 @@ __all__ = ["TurningPoint"]
 class TurningPoint(Credit):
     """R_0 = ``rewards[:, 0]`` (with ``reward_source=completion``, as released: the pure-ODE image from the same
     noise), R_t = ``rewards[:, t]`` for the window's t = 1..n (the first t SDE steps, then the ODE), R_sde =
-    ``rewards[:, T]``; :func:`stepflow.branch_credit.turning_point_rewards` with the released flags, then
-    :func:`~stepflow.branch_credit.per_step_advantages`. The trained steps must be the window ``0..n−1`` (the
+    ``rewards[:, T]``; :func:`stepflow.math.branch_credit.turning_point_rewards` with the released flags, then
+    :func:`~stepflow.math.branch_credit.per_step_advantages`. The trained steps must be the window ``0..n−1`` (the
     released ``sde_window_range = (0, n)``)."""
 
     name = "turning_point"
@@ -27,7 +27,7 @@ class TurningPoint(Credit):
         return list(trained)
 
     def advantages(self, rewards, group_ids, num_steps, trained):
-        from stepflow.branch_credit import per_step_advantages, turning_point_rewards
+        from stepflow.math.branch_credit import per_step_advantages, turning_point_rewards
 
         n = len(trained)
         if trained != list(range(n)) or n == 0:

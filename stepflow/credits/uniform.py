@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from stepflow.advantage import uniform_advantages
 from stepflow.credits.base import Credit
+from stepflow.math.advantage import uniform_advantages
 
 __all__ = ["Uniform"]
 

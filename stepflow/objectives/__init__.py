@@ -2,7 +2,7 @@
 
 An :class:`~stepflow.objectives.base.Objective` (a part: ``objective=<option>``, its YAML's ``_target_``) declares what it needs from an iteration (log-probs or not, the
 rollout sampler, the states whose x̂0 it reads, which steps or times it trains, extra copies of the weights) and
-computes the loss of one term on a micro-batch; :func:`stepflow.algorithm.iteration` asks it instead of branching.
+computes the loss of one term on a micro-batch; :func:`stepflow.core.algorithm.iteration` asks it instead of branching.
 
 =============  ==========================================================================================
 grpo           the clipped likelihood ratio of the rollout's SDE steps + β·KL (Flow-GRPO; the default)

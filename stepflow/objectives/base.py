@@ -16,8 +16,8 @@ import torch
 from torch import Tensor
 
 from stepflow.config import TrainConfig
-from stepflow.ema import ParamCopy
-from stepflow.sde import step_std
+from stepflow.core.ema import ParamCopy
+from stepflow.math.sde import step_std
 
 if TYPE_CHECKING:
     from stepflow.samplers.base import Sampler
@@ -27,7 +27,7 @@ __all__ = ["Objective", "ForwardObjective", "trainable_steps", "policy_velocity"
 
 def policy_velocity(learner: Any, traj: Any, k: int, rows: Tensor, x_k: Tensor, t: Tensor, cond: Any) -> Tensor:
     """The policy's velocity at the rollout's state (X_k, τ_k) of ``rows`` (R, C, H, W), with gradients: the one the
-    rollout kept with its graph (``loop.retain_graph``, :mod:`stepflow.retain`) when it kept step k, else a new
+    rollout kept with its graph (``loop.retain_graph``, :mod:`stepflow.core.retain`) when it kept step k, else a new
     forward pass (the recomputation)."""
     kept = getattr(traj, "kept", None)
     if kept is not None and k in kept:
@@ -196,7 +196,7 @@ class ForwardObjective(Objective):
                 return pol.velocity(x_t, t, cond, learner.guidance)
 
     def kl_terms(self, learner, v: Tensor, v_ref: Tensor | None) -> tuple[Tensor, dict[str, Tensor]]:
-        from stepflow.forward import velocity_kl
+        from stepflow.math.forward import velocity_kl
 
         if v_ref is None:
             return v.new_zeros(()), {}

@@ -1,5 +1,5 @@
 """The forward-process objectives: DiffusionNFT, AWM and AdvantageFlow (docs/method.md §11; the math in
-:mod:`stepflow.forward`). Each trains on the rollout's final latents re-noised at K grid times per sample; none
+:mod:`stepflow.math.forward`). Each trains on the rollout's final latents re-noised at K grid times per sample; none
 reads a log-prob, so any rollout sampler works (the released ones: DPM-Solver-2 for NFT, SDE-then-ODE for AWM)."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ from collections.abc import Sequence
 
 import torch
 
-from stepflow.ema import ParamCopy
-from stepflow.forward import (
+from stepflow.core.ema import ParamCopy
+from stepflow.math.forward import (
     advantageflow_loss,
     advantageflow_stable,
     awm_advantage,
@@ -33,7 +33,7 @@ NFT_ADV_MODES = ("all", "positive_only", "negative_only", "one_only", "binary")
 
 class _WithOld(ForwardObjective):
     """An "old" copy of the trained weights that rolls out (the behaviour policy) and anchors the loss, moved toward
-    the new weights after every iteration: ``θ_old ← d·θ_old + (1 − d)·θ``, d = :func:`~stepflow.forward.nft_old_decay`
+    the new weights after every iteration: ``θ_old ← d·θ_old + (1 − d)·θ``, d = :func:`~stepflow.math.forward.nft_old_decay`
     (``objective.decay_type``) at the optimizer-step counter."""
 
     def __init__(self, decay_type: int = 1, **fields):
@@ -73,8 +73,8 @@ class _WithOld(ForwardObjective):
 
 class Nft(_WithOld):
     """DiffusionNFT (NVlabs/DiffusionNFT): ``L = mean A_max·(r·L⁺ + (1 − r)·L⁻)/β + β_kl·mean‖v_θ − v_ref‖²`` with the
-    implicit policies v^± of the current and the old weights (:func:`~stepflow.forward.nft_loss`), r the advantage
-    mapped to [0, 1] (:func:`~stepflow.forward.nft_reward`), at ``int(T·train.timestep_fraction)`` random grid times
+    implicit policies v^± of the current and the old weights (:func:`~stepflow.math.forward.nft_loss`), r the advantage
+    mapped to [0, 1] (:func:`~stepflow.math.forward.nft_reward`), at ``int(T·train.timestep_fraction)`` random grid times
     per sample."""
 
     name = "nft"
@@ -132,7 +132,7 @@ class AdvantageFlow(_WithOld):
 
 class Awm(ForwardObjective):
     """Advantage Weighted Matching (scxue/advantage_weighted_matching): the clipped surrogate on AWM's reshaped
-    flow-matching "log-prob" (:func:`~stepflow.forward.awm_log_prob`) with A in [−1, 1], on-policy (the old log-prob
+    flow-matching "log-prob" (:func:`~stepflow.math.forward.awm_log_prob`) with A in [−1, 1], on-policy (the old log-prob
     is the current one detached, as released with ``off_policy=False``), + ``β·‖v_θ − v_ref‖² + ema_beta·‖v_θ −
     v_ema‖²`` with a fast EMA copy (d = min(kl_ema_decay, ema_rate·step) after every iteration), at ``num_times``
     stratified grid indices in ``[1, int(T·times_frac))`` shared by every row of the update."""

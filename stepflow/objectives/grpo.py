@@ -7,9 +7,9 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from stepflow.loss import distill_loss, guard_log_ratio, policy_loss
+from stepflow.math.loss import distill_loss, guard_log_ratio, policy_loss
+from stepflow.math.sde import sde_step
 from stepflow.objectives.base import Objective, need, policy_velocity
-from stepflow.sde import sde_step
 
 __all__ = ["Grpo", "Distill"]
 

@@ -6,7 +6,7 @@ Conventions (all policies):
 - ``velocity`` predicts ``v = dx/dt = x1 - x0`` (method.md §1), so an Euler step towards data is ``x - dt * v``;
 - latents are ``(B, C, H, W)``; ``decode`` maps them to images ``(B, 3, H', W')`` in [0, 1]; a model that packs
   latents into patch tokens (FLUX, Qwen-Image) packs and unpacks inside ``_forward``;
-- the SDE math is done by the caller in fp32 (``stepflow.sde``); ``velocity`` returns fp32;
+- the SDE math is done by the caller in fp32 (``stepflow.math.sde``); ``velocity`` returns fp32;
 - the time (and an embedded guidance scale) reaches the transformer's time embedding in fp32, whatever the weights'
   dtype, as diffusers' SD3 pipeline passes it (:class:`TimeInputs` for transformers that cast it to their dtype);
 - ``time_grid(N)`` is the model's own sampling grid: ``N + 1`` strictly decreasing times from exactly 1 to exactly 0.
@@ -274,7 +274,7 @@ def read_lora(path: str | Path) -> tuple[dict[str, Tensor], dict[str, Any]]:
 
 def check_time_grid(grid: Tensor, what: str = "time_grid") -> Tensor:
     """``grid`` (N+1,) must decrease strictly from exactly 1.0 to exactly 0.0 (the SDE samplers' and estimates'
-    contract, method.md §1: the rollout starts from pure noise at t = 1, and the t = 1 guard of ``stepflow.sde``
+    contract, method.md §1: the rollout starts from pure noise at t = 1, and the t = 1 guard of ``stepflow.math.sde``
     keys on the exact value). Returns it as fp32 on the CPU."""
     grid = torch.as_tensor(grid).detach().float().cpu()
     if grid.ndim != 1 or grid.numel() < 2:
@@ -306,7 +306,7 @@ class FlowPolicy(nn.Module):
     #: timestep scale the transformer expects (diffusers SD3: t * 1000)
     timestep_scale: float = 1000.0
     #: sample-level transformer evaluations so far (CFG counts twice): the one NFE counter, read by
-    #: ``stepflow.algorithm.Phases``; ``nfe_grad``: those made with autograd on (each also costs a backward)
+    #: ``stepflow.core.algorithm.Phases``; ``nfe_grad``: those made with autograd on (each also costs a backward)
     nfe: int = 0
     nfe_grad: int = 0
     #: the prompt whose encoding is the unconditional branch of CFG
@@ -348,7 +348,7 @@ class FlowPolicy(nn.Module):
 
     def time_grid(self, num_steps: int) -> Tensor:
         """The sampling grid (num_steps + 1,), from 1 to 0 (method.md §1): SD3's shifted grid with :attr:`shift`."""
-        from stepflow.sde import time_grid
+        from stepflow.math.sde import time_grid
 
         return check_time_grid(time_grid(num_steps, shift=self.shift))
 

@@ -8,7 +8,7 @@ What differs from SD3 (and how this policy reproduces ``FluxPipeline.__call__``)
 - **latents**: stepflow keeps them unpacked, ``(B, 16, H/8, W/8)``; ``_forward`` packs 2×2 patches into the
   transformer's ``(B, H/16 · W/16, 64)`` tokens (``FluxPipeline._pack_latents``), passes the image ids of that grid
   (``_prepare_latent_image_ids``) and unpacks the velocity; packing is a permutation, so N(0, I) noise and the
-  per-dimension-mean log-probs of ``stepflow.sde`` are the same in either layout;
+  per-dimension-mean log-probs of ``stepflow.math.sde`` are the same in either layout;
 - **guidance**: FLUX.1-dev is guidance-distilled: the scale (:attr:`FluxPolicy.embedded_guidance`, 3.5) goes into the
   transformer's guidance embedding and there is no negative branch; ``velocity(..., guidance=w)`` with ``w != 1`` is
   true CFG with the empty negative prompt (``FluxPipeline``'s ``true_cfg_scale`` with ``negative_prompt=""``);
@@ -17,7 +17,7 @@ What differs from SD3 (and how this policy reproduces ``FluxPipeline.__call__``)
   exponential shift ``σ' = e^μ / (e^μ + 1/σ − 1)`` with ``μ = calculate_shift(image_seq_len, base_image_seq_len,
   max_image_seq_len, base_shift, max_shift)`` (dev: 0.5 .. 1.15 over 256 .. 4096 tokens, so 512 px → μ = 0.63,
   1024 px → μ = 1.15), then a trailing 0 (method.md §1); schnell: no shift. It starts at exactly 1.0, so the t = 1
-  guard of ``stepflow.sde`` applies as on SD3's grid;
+  guard of ``stepflow.math.sde`` applies as on SD3's grid;
 - **fp32 time**: the FLUX transformer casts ``timestep`` and ``guidance`` to the weights' dtype before its time
   embedding; a :class:`~stepflow.policies.base.TimeInputs` pre-hook feeds it the fp32 values instead (in bf16,
   ``FluxPipeline`` itself rounds 1000·t to bf16, e.g. 913.35 -> 912; in fp32 both are the same).

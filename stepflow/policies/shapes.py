@@ -88,7 +88,7 @@ class ShapesConfig:
     text_layers: int = 2
     text_heads: int = 4
     pooled_dim: int = 64
-    #: time-grid shift for sampling (``stepflow.sde.time_grid``)
+    #: time-grid shift for sampling (``stepflow.math.sde.time_grid``)
     shift: float = 1.0
     #: what the transformer outputs: "v" (velocity, as SD3) or "x" (the clean image x0; ``velocity`` converts it
     #: to ``v = (x_t - x0) / max(t, t_eps)``, "x-prediction" as in JiT, Li & He 2025)

@@ -41,7 +41,7 @@ Settings are checked when the reward is built, before any request (:class:`Remot
 Per call, ``meta`` must hold one record (a dict or None) per prompt (:func:`check_meta`), before anything is sent.
 
 Waiting is interruptible: the HTTP exchange runs in a daemon thread while the caller waits in slices of
-``POLL_S`` seconds, so :mod:`stepflow.stop` (set by the training run's SIGTERM handler) raises
+``POLL_S`` seconds, so :mod:`stepflow.core.stop` (set by the training run's SIGTERM handler) raises
 :class:`~stepflow.errors.StopRequested` within about ``POLL_S``, during a request or a back-off. ``timeout_s`` bounds
 each attempt in total (not per socket read), and a request still waiting logs a warning every
 ``progress_every_s`` seconds.
@@ -73,7 +73,7 @@ import torch
 from PIL import Image
 from torch import Tensor
 
-from stepflow import stop
+from stepflow.core import stop
 from stepflow.errors import MalformedReplyError, RemoteConfigError, RewardServiceError, one_line
 from stepflow.rewards.base import Reward, RewardOut
 from stepflow.rewards.loading import to_uint8
@@ -81,7 +81,7 @@ from stepflow.rewards.loading import to_uint8
 log = logging.getLogger(__name__)
 
 RETRY_STATUS = frozenset({408, 429, 500, 502, 503, 504})
-#: the longest a wait goes without looking at :data:`stepflow.stop.STOP` (seconds)
+#: the longest a wait goes without looking at :data:`stepflow.core.stop.STOP` (seconds)
 POLL_S = 0.25
 PROTOCOLS = ("stepflow", "flow_grpo")
 #: ``geneval_score`` -> the field of the GenEval server's reply that becomes ``scores``

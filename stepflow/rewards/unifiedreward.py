@@ -13,7 +13,7 @@ Flow-GRPO. Requests run ``concurrency`` at a time (threads) with the retry/backo
 .content`` raises ``MalformedReplyError``; a reply without a parsable score does too unless
 ``on_missing_score: zero`` (Flow-GRPO's behaviour: score 0).
 
-Waits are interruptible as in :mod:`stepflow.rewards.remote`: a stop request (:mod:`stepflow.stop`, set by the
+Waits are interruptible as in :mod:`stepflow.rewards.remote`: a stop request (:mod:`stepflow.core.stop`, set by the
 training run's SIGTERM handler) raises ``StopRequested`` within a fraction of a second, during a request or a
 back-off; while requests are outstanding a warning every ``progress_every_s`` seconds says how many images are
 scored.

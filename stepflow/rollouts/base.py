@@ -1,7 +1,7 @@
 """The RolloutStrategy interface: how an iteration collects the samples it trains on and the rewards its credit
 reads (docs/method.md §10, §13; docs/guide.md "Extending stepflow").
 
-:func:`stepflow.algorithm.iteration` runs every strategy through the same phases::
+:func:`stepflow.core.algorithm.iteration` runs every strategy through the same phases::
 
     ctx   = strategy.context(learner, it)                  # the grid, SDE window, trained steps, states needed
     col   = strategy.collect(learner, mine, ctx, phases)   # phases "rollout", "estimate" (and "reward" when overlapped)
@@ -23,9 +23,9 @@ from typing import Any
 
 from torch import Tensor
 
-from stepflow import stop
-from stepflow.advantage import AdvantageOut
+from stepflow.core import stop
 from stepflow.errors import StopRequested
+from stepflow.math.advantage import AdvantageOut
 
 __all__ = ["RolloutStrategy", "Context", "Collected", "Credited", "TrainBatch", "stop_point", "log_once"]
 

@@ -1,5 +1,5 @@
 """Branches of an ODE anchor (TempFlow-GRPO, Granular-GRPO; docs/method.md §13, the pieces in
-:mod:`stepflow.branch_loop`): the anchors (phase rollout), K SDE branches of every row at every trained step
+:mod:`stepflow.core.branch_loop`): the anchors (phase rollout), K SDE branches of every row at every trained step
 completed by the ODE (estimate), one reward call over every branch image and the anchors' own (reward), the branch
 advantages over every rank's rows (advantage), and the update of the branch rows, each at its own step (update)."""
 
@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import torch
 
-from stepflow.advantage import AdvantageOut
-from stepflow.rollout import rollout
+from stepflow.core.rollout import rollout
+from stepflow.math.advantage import AdvantageOut
 from stepflow.rollouts.base import Collected, Credited, RolloutStrategy, TrainBatch, stop_point
 
 __all__ = ["BranchRollout"]
@@ -30,8 +30,8 @@ class BranchRollout(RolloutStrategy):
         return ctx
 
     def collect(self, learner, mine, ctx, phases):
-        from stepflow.branch import branch_at
-        from stepflow.branch_loop import anchor_rows
+        from stepflow.core.branch import branch_at
+        from stepflow.core.branch_loop import anchor_rows
 
         pol = learner.policy
         with phases("rollout"):  # the ODE anchors, one per (prompt, initial noise)
@@ -49,14 +49,14 @@ class BranchRollout(RolloutStrategy):
         return Collected(anchor, None, None, {"amap": amap, "branches": branches})
 
     def score(self, learner, col, mine, ctx):
-        from stepflow.branch_loop import score_branches
+        from stepflow.core.branch_loop import score_branches
 
         col.scores, col.extra["rewards"] = score_branches(learner, col.traj, col.extra["amap"], col.extra["branches"],
                                                           mine)
         return col
 
     def credit(self, learner, col, rewards, plan, ctx):
-        from stepflow.branch_loop import branch_advantages
+        from stepflow.core.branch_loop import branch_advantages
 
         all_r = learner.dist.gather_rows(col.extra["rewards"])  # (B_global, K, S, G)
         adv_all, dropped, stats = branch_advantages(learner, all_r, plan.group_ids, ctx.it, ctx.trained,
@@ -67,7 +67,7 @@ class BranchRollout(RolloutStrategy):
         return Credited(AdvantageOut(summary, None, stats), dropped, adv_all)
 
     def training_batch(self, learner, col, cred, mine, ctx):
-        from stepflow.branch_loop import branch_trajectory
+        from stepflow.core.branch_loop import branch_trajectory
 
         traj, adv, mask = branch_trajectory(col.traj, col.extra["amap"], col.extra["branches"],
                                             learner.dist.local_rows(cred.train), list(mine.prompts), list(mine.meta))

@@ -8,9 +8,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from stepflow.advantage import AdvantageOut
+from stepflow.core.rollout import Scores, Trajectory, estimate_states, rollout, score
 from stepflow.errors import NonFiniteRewardsError, StopRequested
-from stepflow.rollout import Scores, Trajectory, estimate_states, rollout, score
+from stepflow.math.advantage import AdvantageOut
 from stepflow.rollouts.base import Collected, Context, Credited, RolloutStrategy, TrainBatch, log_once, stop_point
 
 __all__ = ["TrajectoryRollout", "states_needed", "finite_advantages", "retained_steps", "estimate", "post_tail",
@@ -112,7 +112,7 @@ def estimate(learner: Any, traj: Trajectory, need: list[int], completion: bool =
     if not learner.advantage.needs_stepwise_rewards and not learner.objective.reads_estimates:
         return None
     if completion:
-        from stepflow.branch import complete_states
+        from stepflow.core.branch import complete_states
 
         return complete_states(learner.policy, traj.latents, traj.times, traj.cond, need, learner.guidance)
     return estimate_states(learner.policy, traj, learner.loop.substeps, learner.guidance, learner.loop.adaptive_substeps,
@@ -166,11 +166,11 @@ def post_tail(learner: Any, grid: Tensor, sde: list[int] | None) -> Tensor | Non
 
 
 def retained_steps(learner: Any, trained: list[int]) -> tuple[list[int] | None, float | None]:
-    """``loop.retain_graph`` (:mod:`stepflow.retain`): the trained steps whose graphs the rollout keeps (None: the
+    """``loop.retain_graph`` (:mod:`stepflow.core.retain`): the trained steps whose graphs the rollout keeps (None: the
     update recomputes) and the GiB budget of ``auto`` (None: no budget). ``true`` where it cannot apply raises the
     one-line reason (``stepflow.train.settings`` refuses such settings before anything loads); ``auto`` falls back
     to recomputation, logging why once."""
-    from stepflow import retain
+    from stepflow.core import retain
 
     m = retain.mode(learner.loop.retain_graph)
     if m == "off" or not trained:

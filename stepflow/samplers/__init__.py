@@ -1,5 +1,5 @@
 """Rollout samplers: one class per ``conf/sampler/<name>.yaml`` (its ``_target_``), on the interface
-:class:`stepflow.samplers.base.Sampler`. The math they bind is :mod:`stepflow.sde` (and :mod:`stepflow.solvers`)."""
+:class:`stepflow.samplers.base.Sampler`. The math they bind is :mod:`stepflow.math.sde` (and :mod:`stepflow.math.solvers`)."""
 
 from stepflow.samplers.base import Sampler
 from stepflow.samplers.cps import Cps

@@ -3,7 +3,7 @@
 A sampler is one class named by its YAML's ``_target_`` (``conf/sampler/<name>.yaml``); the YAML's other keys are
 its keyword arguments, checked in its own ``__init__`` / ``__post_init__`` (one-line ``ValueError`` starting with the
 field's name). The core never compares sampler names: it asks the capability flags below and calls the methods.
-The per-sampler math lives in :mod:`stepflow.sde` (and :mod:`stepflow.solvers`); a sampler class only binds its
+The per-sampler math lives in :mod:`stepflow.math.sde` (and :mod:`stepflow.math.solvers`); a sampler class only binds its
 parameters to it.
 """
 
@@ -15,7 +15,7 @@ from typing import ClassVar
 import torch
 from torch import Tensor
 
-from stepflow.sde import DDIM_SCHEDULES, LOGPROBS, StepOut, _as_time
+from stepflow.math.sde import DDIM_SCHEDULES, LOGPROBS, StepOut, _as_time
 
 __all__ = ["Sampler", "grid_times", "check_logprob", "check_eta", "check_a", "check_schedule", "check_bool"]
 

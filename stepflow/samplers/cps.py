@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from stepflow.math.sde import cps_std, cps_step
 from stepflow.samplers.base import Sampler, check_eta, check_logprob, grid_times
-from stepflow.sde import cps_std, cps_step
 
 __all__ = ["Cps"]
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from stepflow.math.sde import dance_sde_std, dance_sde_step
 from stepflow.samplers.base import Sampler, check_logprob, grid_times
-from stepflow.sde import dance_sde_std, dance_sde_step
 
 __all__ = ["DanceSde"]
 

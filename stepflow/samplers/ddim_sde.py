@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from stepflow.math.sde import ddim_sde_std, ddim_sde_step
 from stepflow.samplers.base import Sampler, check_bool, check_eta, check_logprob, check_schedule, grid_times
-from stepflow.sde import ddim_sde_std, ddim_sde_step
 
 __all__ = ["DdimSde"]
 

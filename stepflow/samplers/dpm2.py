@@ -1,5 +1,5 @@
 """DiffusionNFT's deterministic rollout sampler (``conf/sampler/dpm2.yaml``): multistep DPM-Solver++(2M) on the
-x0-predictions ``x − t v`` (:mod:`stepflow.solvers`), first order at the first and the last step. No density."""
+x0-predictions ``x − t v`` (:mod:`stepflow.math.solvers`), first order at the first and the last step. No density."""
 
 from __future__ import annotations
 
@@ -7,16 +7,16 @@ from dataclasses import dataclass
 
 import torch
 
+from stepflow.math.sde import ode_step
+from stepflow.math.solvers import dpm2_step, dpm_order
 from stepflow.samplers.base import Sampler, grid_times
-from stepflow.sde import ode_step
-from stepflow.solvers import dpm2_step, dpm_order
 
 __all__ = ["Dpm2"]
 
 
 @dataclass
 class Dpm2(Sampler):
-    """A rollout step ``k`` takes :func:`stepflow.solvers.dpm_order` (k, T) of the T-step grid with the x̂0 of the
+    """A rollout step ``k`` takes :func:`stepflow.math.solvers.dpm_order` (k, T) of the T-step grid with the x̂0 of the
     state before it (whichever step made that state). One step alone (:meth:`step`, no previous x̂0) is the Euler
     step of ``ode`` (= its own first-order step, DDIM η = 0, up to rounding)."""
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from stepflow.math.sde import flow_sde_std, flow_sde_step
 from stepflow.samplers.base import Sampler, check_a, check_logprob, grid_times
-from stepflow.sde import flow_sde_std, flow_sde_step
 
 __all__ = ["FlowSde"]
 
@@ -13,7 +13,7 @@ __all__ = ["FlowSde"]
 @dataclass
 class FlowSde(Sampler):
     """a: the noise level, ``σ_d = a·sqrt(t/(1−t̃))`` (``t̃ = τ_1`` where ``t = 1``); logprob: the log-prob
-    convention (:func:`stepflow.sde.gaussian_log_prob`)."""
+    convention (:func:`stepflow.math.sde.gaussian_log_prob`)."""
 
     name = "flow_sde"
     noise_field = "sampler.a"

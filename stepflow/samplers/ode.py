@@ -7,8 +7,8 @@ from dataclasses import dataclass
 
 import torch
 
+from stepflow.math.sde import ode_step
 from stepflow.samplers.base import Sampler, grid_times
-from stepflow.sde import ode_step
 
 __all__ = ["Ode"]
 

@@ -117,7 +117,8 @@ def _reset_process_state() -> None:
     from hydra.core.global_hydra import GlobalHydra
     from hydra.core.hydra_config import HydraConfig
 
-    from stepflow import cli, stop
+    from stepflow import cli
+    from stepflow.core import stop
 
     GlobalHydra.instance().clear()
     HydraConfig.instance().cfg = None

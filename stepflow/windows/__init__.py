@@ -1,5 +1,5 @@
 """SDE windows: one class per ``conf/window/<name>.yaml`` (its ``_target_``), on the interface
-:class:`stepflow.windows.base.Window`. MixGRPO's released position arithmetic is :mod:`stepflow.window`."""
+:class:`stepflow.windows.base.Window`. MixGRPO's released position arithmetic is :mod:`stepflow.math.window`."""
 
 from stepflow.windows.base import Window
 from stepflow.windows.fixed import Fixed

@@ -47,7 +47,7 @@ class Window:
 
     def tail(self, grid: Tensor, steps: list[int] | None, shift: float) -> Tensor | None:
         """The grid (n,) of the solver that runs from the state after the window's last step to the end instead of
-        the grid's Euler steps (:func:`stepflow.rollout.rollout` ``tail=``), for the iteration whose window is
+        the grid's Euler steps (:func:`stepflow.core.rollout.rollout` ``tail=``), for the iteration whose window is
         ``steps``; grid: the (T+1,) rollout grid; shift: its shift. None: the grid's Euler steps."""
         return None
 

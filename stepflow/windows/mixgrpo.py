@@ -1,4 +1,4 @@
-"""MixGRPO's progressive window as released (``conf/window/mixgrpo.yaml``; :func:`stepflow.window.mixgrpo_window`):
+"""MixGRPO's progressive window as released (``conf/window/mixgrpo.yaml``; :func:`stepflow.math.window.mixgrpo_window`):
 ``range(cur, min(cur + size, T − 2))`` with ``cur`` moved by ``stride`` every ``every`` iterations; and
 MixGRPO-Flash's post-window DPM-Solver++(2M) tail (``post_solver=dpmpp2m``)."""
 
@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from torch import Tensor
 
-from stepflow.window import POST_SOLVERS, mixgrpo_window
+from stepflow.math.window import POST_SOLVERS, mixgrpo_window
 from stepflow.windows.base import Window, check_int
 
 __all__ = ["MixGrpo"]
@@ -56,12 +56,12 @@ class MixGrpo(Window):
         return list(range(self.start, num_steps - 2))  # the window's end is exclusive: it never holds T - 2, T - 1
 
     def tail(self, grid: Tensor, steps: list[int] | None, shift: float) -> Tensor | None:
-        """``flash_grid(grid, last, post_compress_ratio, shift)[last + 1:]`` (:func:`stepflow.solvers.flash_grid`;
+        """``flash_grid(grid, last, post_compress_ratio, shift)[last + 1:]`` (:func:`stepflow.math.solvers.flash_grid`;
         ``last`` = the window's last step) for ``post_solver=dpmpp2m``; None for ``euler``, no window, or an
         **empty** window: that iteration rolls out all-Euler, as MixGRPO does (the released Flash crashes there,
         sampling_utils.py L44, which its 300 iterations never reach)."""
         if not self.keeps_states and steps:
-            from stepflow.solvers import flash_grid
+            from stepflow.math.solvers import flash_grid
 
             last = max(steps)
             return flash_grid(grid, last, self.post_compress_ratio, shift)[last + 1:]

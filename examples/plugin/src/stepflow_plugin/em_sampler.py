@@ -8,7 +8,7 @@ The mean is the ODE's Euler drift alone: there is **no score correction**, so un
 (``sampler=flow_sde``) this SDE does not preserve the ODE's marginals; the added noise is not removed later and the
 samples are noisier than the model's for any sigma > 0. The step into t = 0 (the last one) is deterministic
 (std 0, log-prob 0, not trainable), so the final image gets no noise of its own. The log-prob is the Gaussian's,
-averaged over the non-batch dims (stepflow's convention, :func:`stepflow.sde.gaussian_log_prob`); ``kl_scale`` is
+averaged over the non-batch dims (stepflow's convention, :func:`stepflow.math.sde.gaussian_log_prob`); ``kl_scale`` is
 ``std``.
 """
 
@@ -19,8 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
+from stepflow.math.sde import finish_step, prepare_step
 from stepflow.samplers.base import Sampler, grid_times
-from stepflow.sde import finish_step, prepare_step
 
 __all__ = ["EulerMaruyama"]
 

@@ -136,7 +136,7 @@ class Dist:
 
     def stop_requested(self) -> bool:
         """Whether any rank was asked to stop (every rank must call it at the same point)."""
-        from stepflow import stop
+        from stepflow.core import stop
 
         return self.any(stop.STOP.is_set())
 

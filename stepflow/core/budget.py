@@ -27,6 +27,22 @@ class Budget:
         """The fraction of the budget ``spent`` ({kind: amount}) holds."""
         return float(spent.get(self.kind, 0.0)) / self.total
 
+    def spent_all(self, spent: dict[str, float]) -> bool:
+        return float(spent.get(self.kind, 0.0)) >= self.total
+
+    def reaches(self, before: dict[str, float], after: dict[str, float], fractions: Sequence[float]) -> bool:
+        """Whether the iteration that took the spent amounts from ``before`` to ``after`` reaches one of
+        ``fractions`` of the budget (:func:`crossed`)."""
+        return bool(crossed(before[self.kind], after[self.kind], self.total, fractions))
+
+    def warn_capped(self, iterations: int, spent: dict[str, float]) -> None:
+        """Say that ``loop.iterations`` ended the run before the budget did."""
+        import logging
+
+        logging.getLogger("stepflow.train").warning(
+            f"loop.iterations={iterations} reached at {self.fraction(spent):.0%} of loop.budget ({self}); raise "
+            "loop.iterations to spend all of it")
+
     def __str__(self) -> str:
         return f"{self.total:,.0f} forward-equivalent NFEs" if self.kind == "nfe" else f"{self.total:g} s of training"
 

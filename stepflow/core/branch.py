@@ -5,7 +5,7 @@ branch off a deterministic anchor: at step k every branch draws its own SDE tran
 then completed to an image by the Euler ODE, so the branch's reward is the effect of that one stochastic step (plus
 the completion's). This is what stepflow's Tweedie / T′-substep estimates stand in for at a fraction of the cost.
 
-Index convention as in :mod:`stepflow.rollout`: ``X_0`` the initial noise, ``X_T`` the final latent, step k maps
+Index convention as in :mod:`stepflow.core.rollout`: ``X_0`` the initial noise, ``X_T`` the final latent, step k maps
 ``X_k → X_{k+1}`` on the grid ``τ_0 = 1 > … > τ_T = 0``.
 
 NFE cost (sample-level transformer evaluations; CFG doubles each): the anchor costs T per sample; a branch at step k
@@ -24,9 +24,9 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
-from stepflow.data import seeded_normal
+from stepflow.core.data import seeded_normal
+from stepflow.math.sde import ode_step, sde_step
 from stepflow.policies.base import Cond, FlowPolicy
-from stepflow.sde import ode_step, sde_step
 
 if TYPE_CHECKING:
     from stepflow.samplers.base import Sampler
@@ -76,7 +76,7 @@ def complete_states(policy: FlowPolicy, latents: Tensor, times: Tensor, cond: Co
     """The ODE completion of the states ``states`` of a rollout (``advantage.reward_source=completion``): X_k
     (``latents[:, k]``, latents (B, D+1, C, H, W)) by the Euler ODE over ``τ_{k+1} .. τ_T`` (T − k NFEs per sample;
     the state X_T is its own completion). Returns (B, T+1, C, H, W), zeros at the other states, like
-    :func:`stepflow.rollout.estimate_states`."""
+    :func:`stepflow.core.rollout.estimate_states`."""
     b, t_steps = latents.shape[0], times.shape[0] - 1
     out = latents.new_zeros((b, t_steps + 1, *latents.shape[2:]))
     for k in sorted(set(states)):

@@ -64,7 +64,7 @@ class DeepSpeedStrategy(_LightningDeepSpeedStrategy):
             backward (stepflow marks the last one before a step as the accumulation boundary); ``false``: the
             backward passes of one optimizer step inside ``engine.coalesce_grad_reduction()``, each rank's sum
             reduced once (a whole gradient per rank meanwhile; equal to DDP to the last bit); ``auto`` (default):
-            ``true`` for full fine-tuning, ``false`` for LoRA. Read by ``stepflow.dist.Dist``.
+            ``true`` for full fine-tuning, ``false`` for LoRA. Read by ``stepflow.core.dist.Dist``.
     """
 
     def __init__(self, *args: Any, max_grad_norm: float = 0.0, reduce_every_backward: bool | str = "auto",
@@ -352,7 +352,7 @@ def _load_elastic(zero, partitions: list[dict[str, Any]]) -> None:
 
 
 def _norm_as_stepflow(zero) -> None:
-    """Make ZeRO's gradient norm the one ``stepflow.dist.clip_grad_norm`` computes: the squares of every partition
+    """Make ZeRO's gradient norm the one ``stepflow.core.dist.clip_grad_norm`` computes: the squares of every partition
     summed in float64, reduced over the ranks in float64, then the square root rounded to fp32. DeepSpeed rounds each
     rank's sum to fp32 before the reduction, so its norm (and the clipping factor made from it) differed from DDP's
     in the last bits, which the training then grows. Only the L2 norm of ZeRO stage 1/2 without CPU offload (the

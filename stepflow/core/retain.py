@@ -2,7 +2,7 @@
 
 With one optimizer step per rollout the weights the update differentiates are the weights that rolled out, so the
 velocity the loss needs at each trained state (X_k, τ_k) is the one the rollout already computed. With retain on, the
-rollout evaluates the trained steps with gradients and keeps their graphs (:attr:`stepflow.rollout.Trajectory.kept`);
+rollout evaluates the trained steps with gradients and keeps their graphs (:attr:`stepflow.core.rollout.Trajectory.kept`);
 the update's loss reads those velocities and back-propagates once through all of them, instead of running the
 transformer again on every trained state. The loss is unchanged: the ratio ρ = π_θ/π_old is exactly 1 (and the clip
 inactive, as it is at the first on-policy step with recomputation), the KL reference's forward still runs in the update
@@ -91,7 +91,7 @@ def why_not(*, updates_per_iter: int, update_per_step: bool, forward_process: bo
 
 
 def why_not_at_runtime(learner) -> str | None:
-    """:func:`why_not` for a built :class:`stepflow.algorithm.Learner` (its dist's strategy, the policy's own dropout
+    """:func:`why_not` for a built :class:`stepflow.core.algorithm.Learner` (its dist's strategy, the policy's own dropout
     modules)."""
     o, obj = learner.train, learner.objective
     per_step = learner.weighting.name if learner.weighting.per_step else None

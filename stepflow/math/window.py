@@ -18,7 +18,7 @@ by-name factory :func:`WindowConfig` and the functional :func:`window_steps` / :
   with ``cur`` moved by ``stride`` every ``every`` iterations; the window shrinks at the end of the grid and is empty
   at ``cur = T − 2``, after which it rolls back to ``start`` (``roll_back``) or stays empty. ``post_solver=dpmpp2m``
   (MixGRPO-Flash): the ODE after the window is a DPM-Solver++(2M) tail on a compressed grid (``Window.tail``,
-  :func:`stepflow.solvers.flash_tail`) instead of the grid's Euler steps.
+  :func:`stepflow.math.solvers.flash_tail`) instead of the grid's Euler steps.
 
 Steps outside the window carry no log-prob and are never trained; the x̂0 estimates and rewards of their states are
 still computed where the credit scheme reads them.
@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 from torch import Tensor
 
-from stepflow.sde import CONF_DIR
+from stepflow.math.sde import CONF_DIR
 
 if TYPE_CHECKING:
     from stepflow.windows.base import Window
@@ -116,7 +116,7 @@ def mixgrpo_window(cfg: Window, iteration: int, num_steps: int) -> list[int]:
 
 def post_tail(cfg: Window | None, grid: Tensor, window: list[int] | None, shift: float) -> Tensor | None:
     """The window's post-window tail grid for one iteration: ``cfg.tail(grid, window, shift)`` (MixGRPO-Flash's
-    DPM-Solver++(2M) tail, :meth:`stepflow.windows.mixgrpo.MixGrpo.tail`), which :func:`stepflow.rollout.rollout`
+    DPM-Solver++(2M) tail, :meth:`stepflow.windows.mixgrpo.MixGrpo.tail`), which :func:`stepflow.core.rollout.rollout`
     (``tail=``) runs from ``X_{last+1}`` to the final latent; None (the grid's Euler steps after the window) for no
     window or a window without a tail. grid: the (T+1,) rollout grid; shift: the grid's shift."""
     return None if cfg is None else cfg.tail(grid, window, shift)

@@ -1,10 +1,10 @@
 """One iteration of Stepwise-Flow-GRPO / Flow-GRPO, free of Lightning (docs/method.md §10).
 
 :func:`iteration` is the paper's algorithm on one screen: plan → rollout → x̂0 estimates → stepwise rewards →
-advantages → policy update. Each phase is a function of its own (``stepflow.rollout``, ``stepflow.advantage``,
+advantages → policy update. Each phase is a function of its own (``stepflow.core.rollout``, ``stepflow.math.advantage``,
 :func:`update`, :func:`step_loss`), timed by :class:`Phases`, which also reads the NFEs off the policy's counter.
 ``stepflow.grpo.GRPOModule`` is the Lightning shell around it; ``experiments/gpu_check.py`` and
-:func:`step_gradients` (the per-step gradients ``experiments/grad_coherence.py`` measures with ``stepflow.coherence``)
+:func:`step_gradients` (the per-step gradients ``experiments/grad_coherence.py`` measures with ``stepflow.math.coherence``)
 call the same functions.
 """
 
@@ -19,20 +19,20 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from stepflow.advantage import AdvantageOut
 from stepflow.config import LoopConfig, TrainConfig
+from stepflow.core.data import IterationPlan, PromptPlanner
+from stepflow.core.dist import Dist
+from stepflow.core.rollout import Scores
 from stepflow.core.update import clip_and_step, step_gradients, step_loss, steps_per_sample, subset_steps, update
-from stepflow.data import IterationPlan, PromptPlanner
-from stepflow.dist import Dist
 from stepflow.errors import StopRequested
+from stepflow.math.advantage import AdvantageOut
+from stepflow.math.weighting import Weighting
 from stepflow.objectives import Grpo, Objective
 from stepflow.objectives.base import trainable_steps
 from stepflow.policies.base import FlowPolicy
 from stepflow.rewards.base import Reward
-from stepflow.rollout import Scores
 from stepflow.rollouts.base import RolloutStrategy, stop_point
 from stepflow.rollouts.trajectory import finite_advantages, retained_steps, states_needed
-from stepflow.weighting import Weighting
 
 __all__ = ["Learner", "Phases", "IterationResult", "iteration", "update", "step_loss", "step_gradients",
            "trainable_steps", "finite_advantages", "iteration_metrics", "subset_steps", "steps_per_sample",
@@ -79,8 +79,8 @@ class Learner:
         return self.weighting.signal
 
     def grid(self) -> Tensor:
-        """The rollout's σ grid (T+1,) under ``loop.time_grid`` / ``loop.grid_shift`` (:func:`stepflow.rollout.sampling_grid`)."""
-        from stepflow.rollout import sampling_grid
+        """The rollout's σ grid (T+1,) under ``loop.time_grid`` / ``loop.grid_shift`` (:func:`stepflow.core.rollout.sampling_grid`)."""
+        from stepflow.core.rollout import sampling_grid
 
         return sampling_grid(self.policy, self.loop.num_steps, getattr(self.loop, "time_grid", "model"),
                              getattr(self.loop, "grid_shift", None))

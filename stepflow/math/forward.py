@@ -5,7 +5,7 @@ advantage, re-noise ``x0`` to a training time ``t`` with fresh noise and regress
 advantage. The sampler is a black box, so any solver works. This module holds only the pure math: tensors in,
 tensors out, no policy objects. The caller runs the models (current, old/EMA, reference) at ``x_t``.
 
-Conventions (method.md §1, the same as :mod:`stepflow.sde`):
+Conventions (method.md §1, the same as :mod:`stepflow.math.sde`):
 
 - ``x_t = (1 − t)·x0 + t·ε``; ``t = 1`` is noise, ``t = 0`` is data; the velocity is ``v ≈ ε − x0``;
   Tweedie ``x̂0 = x_t − t·v``;
@@ -30,7 +30,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from stepflow.loss import grpo_surrogate
+from stepflow.math.loss import grpo_surrogate
 
 __all__ = [
     "noised",
@@ -280,7 +280,7 @@ def awm_log_prob(v: Tensor, target: Tensor, t, kind: str = "ghuber", p: float = 
 def awm_policy_loss(logp: Tensor, logp_old: Tensor, adv: Tensor,
                     clip_range: float = 1.0) -> tuple[Tensor, dict[str, Tensor]]:
     """AWM's clipped surrogate on the surrogate log-probs (awm:L1301-1327, ``loss_type='exp_first'``), to be minimised:
-    GRPO's own (:func:`stepflow.loss.grpo_surrogate`) with AWM's names and checks.
+    GRPO's own (:func:`stepflow.math.loss.grpo_surrogate`) with AWM's names and checks.
 
     ``ρ = exp(logp − sg(logp_old))``; ``loss = mean max(−A·ρ, −A·clip(ρ, 1 − c, 1 + c))``, c = ``train.clip_range``
     (1 in the released configs, so effectively off). logp (with grad), logp_old, adv: equal shapes (N,), one entry

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from stepflow import stop
+from stepflow.core import stop
 from stepflow.errors import StopRequested
 from stepflow.policies.base import FlowPolicy
 
@@ -106,7 +106,7 @@ def evaluate_reward(policy: FlowPolicy, reward, records: Sequence[dict[str, Any]
                     guidance: float = 1.0, seed: int = 0, batch_size: int = 64, dist=None
                     ) -> tuple[dict[str, float], Tensor, list[str]]:
     """The held-out evaluation of a training run: :func:`sample_ode` on the records' prompts, scored by ``reward``,
-    sharded over the ranks of ``dist`` (a :class:`stepflow.dist.Dist`; each samples a contiguous slice with the noise
+    sharded over the ranks of ``dist`` (a :class:`stepflow.core.dist.Dist`; each samples a contiguous slice with the noise
     it would have in one process, the per-sample scores are gathered).
 
     Returns ``({"eval/<reward>": mean score, "eval/geneval*": ...}, this rank's images, their prompts)``; NaN / inf
@@ -141,7 +141,7 @@ def evaluate_reward(policy: FlowPolicy, reward, records: Sequence[dict[str, Any]
         res["eval/nonfinite_rewards"] = float((~finite).sum())
         import logging
 
-        logging.getLogger("stepflow.heldout").warning(
+        logging.getLogger("stepflow.core.heldout").warning(
             "%d of %d held-out samples got a non-finite %s score: left out of eval/%s (eval/nonfinite_rewards)",
             int((~finite).sum()), n, reward.name, reward.name)
     if strict:

@@ -1,9 +1,9 @@
 """Credit for branch rollouts: the released advantages of TempFlow-GRPO, TurningPoint-GRPO and Granular-GRPO.
 
 Pure functions, tensors in and tensors out (league.md §3–§5); the rollouts that produce their rewards are
-:mod:`stepflow.branch`'s (an anchor, K SDE branches at step k, ODE completions at granularities). Groups are the
+:mod:`stepflow.core.branch`'s (an anchor, K SDE branches at step k, ODE completions at granularities). Groups are the
 rows sharing a ``group_ids`` value (the released code groups by prompt). Statistics are taken in float64 and the
-results are float32, as in :mod:`stepflow.advantage`. A group whose entries are all equal gets exactly 0.
+results are float32, as in :mod:`stepflow.math.advantage`. A group whose entries are all equal gets exactly 0.
 
 Each function names the released lines it transcribes (``repo@commit path:line``) and every deviation from them.
 Line numbers of the TempFlow-GRPO and Granular-GRPO files are counted in their stored texts (those repositories

@@ -3,7 +3,7 @@
 Every iteration draws ``P`` prompts and ``k`` samples of each (a *group*), ``B = P * k`` samples in all. The plan for
 an iteration is a pure function of ``(seed, iteration)``, so every rank computes the same global plan and takes its
 own contiguous slice: under DDP the copies of one prompt may sit on different ranks, and the group statistics are
-computed on the gathered rewards (see :func:`stepflow.algorithm.iteration`). Resuming is exact because the plan never
+computed on the gathered rewards (see :func:`stepflow.core.algorithm.iteration`). Resuming is exact because the plan never
 depends on a data-loader position.
 
 Prompt files:

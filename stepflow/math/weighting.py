@@ -4,15 +4,15 @@
 none       every trained step's term weighs 1 (the mean over the steps)
 noise      TempFlow-GRPO's noise-aware weights ``w_k = σ_k / mean_j σ_j`` over the trained steps (σ the step's std)
 gain_var   ``w_k ∝ Var_i G_k``, the variance of step k's gains over every rank's rows
-guard      GRPO-Guard's noise-normalised log-ratio in place of ``log π_θ − log π_old`` (:func:`~stepflow.loss.guard_log_ratio`)
+guard      GRPO-Guard's noise-normalised log-ratio in place of ``log π_θ − log π_old`` (:func:`~stepflow.math.loss.guard_log_ratio`)
            only (RatioNorm, as Flow-Factory implements it; the measured docs/results.md runs used it)
 guard_released
            GRPO-Guard as released (yifan123/flow_grpo PR #175, scripts/train_sd3_GRPO_Guard.py L915-932): the same
            normalised ratio, and each step's policy loss divided by its ``Δt``
-           (:func:`~stepflow.loss.guard_released_scale`)
+           (:func:`~stepflow.math.loss.guard_released_scale`)
 grad_rms   each step's gradient computed alone and scaled to the RMS of their norms
 auto       each step's gradient computed alone and weighted by its measured signal fraction
-           (:class:`~stepflow.coherence.StepSignal`; steps of weight 0 are computed every ``train.auto_every``
+           (:class:`~stepflow.math.coherence.StepSignal`; steps of weight 0 are computed every ``train.auto_every``
            iterations to be measured again)
 =========  ===================================================================================================
 
@@ -28,9 +28,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
-from stepflow.coherence import StepSignal, pair_sums
-from stepflow.loss import WEIGHTINGS, gain_variance_weights, guard_released_scale, noise_weights, rms_weights
-from stepflow.sde import step_std
+from stepflow.math.coherence import StepSignal, pair_sums
+from stepflow.math.loss import WEIGHTINGS, gain_variance_weights, guard_released_scale, noise_weights, rms_weights
+from stepflow.math.sde import step_std
 
 if TYPE_CHECKING:
     from stepflow.samplers.base import Sampler
@@ -111,7 +111,7 @@ class _GuardReleased(_Guard):
         loss   = L_step + β·KL                                               L934-939  (β = 0 in the released configs)
 
     Here ρ̃_i = exp(mean_dims(ε_i ⊙ (μ_θ,i − μ_old,i))), ε = (x_{k+1} − μ_old)/s
-    (:func:`~stepflow.loss.guard_log_ratio`, as ``guard``), and the ``÷ Δt`` is :meth:`policy_scale`. One deviation:
+    (:func:`~stepflow.math.loss.guard_log_ratio`, as ``guard``), and the ``÷ Δt`` is :meth:`policy_scale`. One deviation:
     ``log_prob`` is already (B,) there, so ``range(1, 1)`` is empty and ``mean(dim=())`` averages over **every**
     dimension, the batch included: the released b is the training batch's mean ``b̄``, not each row's ``b_i``, i.e.
     ``log ρ̃_i(released) = log ρ̃_i(here) + (b̄ − b_i)·s``. The two agree on a batch's first (on-policy) optimizer step
@@ -134,7 +134,7 @@ class _PerStep(Weighting):
         """Each trained step's gradient separately, summed from its parts (whole prompt groups; one group: two
         halves), then combined into the parameters' .grad: ``train.weighting=grad_rms``: ``Σ_k (rms/|g_k|)·g_k / S``;
         ``train.weighting=auto``: ``Σ_k w_k·(rms/|g_k|)·g_k`` with the signal weights w (sum 1) of
-        :class:`stepflow.coherence.StepSignal`, to which every step computed adds a measurement from its parts' mean
+        :class:`stepflow.math.coherence.StepSignal`, to which every step computed adds a measurement from its parts' mean
         gradients (sums over ranks). Steps of weight 0 are computed only when ``measure``. Under DDP the per-step
         gradients are summed over ranks first, so the norms and the combination are those of the global gradients.
         ``groups``: (B_local,) the rows' group ids (None: one group)."""

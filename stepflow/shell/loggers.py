@@ -12,7 +12,7 @@ from typing import Any
 from lightning.pytorch.loggers import Logger
 from lightning.pytorch.utilities import rank_zero_only
 
-from stepflow.checkpoint import atomic_write
+from stepflow.shell.checkpoint import atomic_write
 
 __all__ = ["MetricsCSVLogger", "wandb_logger"]
 

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from stepflow.dist import full_tensor, local_shard_of
+from stepflow.core.dist import full_tensor, local_shard_of
 
 __all__ = ["ParamCopy", "ParamEMA"]
 

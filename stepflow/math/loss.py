@@ -97,7 +97,7 @@ def policy_loss(log_prob: Tensor, old_log_prob: Tensor, adv: Tensor, *, clip_eps
     """One step's GRPO loss (paper Eq. 3): ``surrogate + β·mean_i KL_i`` (method.md §5).
 
     log_prob, old_log_prob, adv: (B,); mean, ref_mean: (B, ...) policy / reference Gaussian means; std, kl_scale:
-    (B,) from :class:`stepflow.sde.StepOut`.  ``kl_mode="exact"`` divides by 2·std², ``"flow_grpo_parity"`` by
+    (B,) from :class:`stepflow.math.sde.StepOut`.  ``kl_mode="exact"`` divides by 2·std², ``"flow_grpo_parity"`` by
     2·kl_scale² (Flow-GRPO's value; = exact × Δt for flow_sde).  The KL is computed (and logged) whenever the
     means are given; it is required when ``beta > 0``.  mask: optional (B,) bool rows to average over.
     ``policy_scale``: a factor on the surrogate only, ``scale·surrogate + β·KL`` (GRPO-Guard's gradient reweight

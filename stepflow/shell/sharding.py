@@ -20,7 +20,7 @@ import torch
 from lightning.pytorch.strategies import ModelParallelStrategy
 from torch import Tensor, nn
 
-from stepflow.dist import full_tensor, local_shard_of  # noqa: F401  (re-exported: the tensors of shards)
+from stepflow.core.dist import full_tensor, local_shard_of  # noqa: F401  (re-exported: the tensors of shards)
 
 __all__ = ["FSDP2Strategy", "shard_transformer", "blocks_of", "full_trained_state", "is_sharded", "same_graph_as_fsdp"]
 
@@ -126,6 +126,25 @@ def is_sharded(module: nn.Module) -> bool:
     from torch.distributed.tensor import DTensor
 
     return any(isinstance(p, DTensor) for p in module.parameters())
+
+
+def shard_module(module, strategy) -> None:
+    """FSDP2 (``trainer=fsdp``), from the GRPOModule's ``configure_model``: shard the transformer per block, and the
+    frozen full-fine-tuning reference the same way; then the EMA is rebuilt on the sharded parameters (the optimizer
+    is built after this hook) and the objective's copies re-attached. Other strategies: nothing to do."""
+    from stepflow.core.ema import ParamEMA
+
+    policy = module.policy
+    if not hasattr(strategy, "shard") or is_sharded(policy.transformer):
+        return
+    strategy.shard(policy.transformer)
+    ref = getattr(policy, "_ref_copy", None)
+    if ref:
+        strategy.shard(ref[0])
+    if module.ema is not None:  # fully_shard replaced the parameters: track the new (sharded) ones
+        module.ema = ParamEMA(policy.trainable_parameters(), module.ema.decay, module.ema.update_every)
+        module.learner.on_optimizer_step = module.ema.step
+    module.objective.attach(list(policy.trainable_parameters()))  # its copies too
 
 
 def full_trained_state(policy, full: bool) -> dict[str, Tensor] | None:

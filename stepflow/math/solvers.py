@@ -7,7 +7,7 @@ with ``eta=0`` and ``multistep_dpm_solver_second_order_update``): multistep DPM-
 i.e. diffusers' ``DPMSolverMultistepScheduler(algorithm_type="dpmsolver++", solver_order=2,
 solver_type="midpoint", prediction_type="flow_prediction", use_flow_sigmas=True, final_sigmas_type="zero")``.
 
-Conventions (as :mod:`stepflow.sde`): ``x_t = (1 − t)·x0 + t·ε`` (``t = 1`` noise, ``t = 0`` data), so
+Conventions (as :mod:`stepflow.math.sde`): ``x_t = (1 − t)·x0 + t·ε`` (``t = 1`` noise, ``t = 0`` data), so
 ``α_t = 1 − t`` and ``σ_t = t``; the model's velocity is ``v ≈ ε − x0`` and ``x̂0 = x − t·v``; the log-SNR is
 ``λ(t) = log α_t − log σ_t = log((1 − t)/t)`` (``−inf`` at ``t = 1``, ``+inf`` at ``t = 0``).  A step goes from
 ``t`` to ``t_next < t``; ``t_prev > t`` is the previous grid point (the one the previous x̂0 was predicted at).
@@ -36,7 +36,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from stepflow.sde import StepOut, _as_time, _bcast
+from stepflow.math.sde import StepOut, _as_time, _bcast
 
 __all__ = [
     "DPM_ORDERS",
@@ -166,8 +166,8 @@ def dpm2_update(x: Tensor, x0_cur: Tensor, x0_prev: Tensor | None, t_prev, t, t_
 
 def dpm2_step(x: Tensor, v: Tensor, t, t_next, *, order: int, x0_prev: Tensor | None = None,
               t_prev=None) -> StepOut:
-    """A ``dpm2`` step as a :class:`stepflow.sde.StepOut`: ``next = mean = dpm2_update(x, x − t·v, ...)``; std 0,
-    log_prob 0, untrainable, kl_scale 0 (deterministic, no density; as :func:`stepflow.sde.ode_step`).
+    """A ``dpm2`` step as a :class:`stepflow.math.sde.StepOut`: ``next = mean = dpm2_update(x, x − t·v, ...)``; std 0,
+    log_prob 0, untrainable, kl_scale 0 (deterministic, no density; as :func:`stepflow.math.sde.ode_step`).
 
     x, v: (B, ...); t, t_next, t_prev: float / 0-d / (B,); ``order``: :func:`dpm_order` of the step.
     """

@@ -4,7 +4,7 @@ Granular-GRPO (``advantage=tempflow | g2rpo``; docs/method.md §13).
 Where the trajectory strategy rolls out B trajectories and credits their own steps, these methods
 roll out a deterministic **anchor** (the Euler ODE) and, at every trained step k, let each rollout row draw K SDE
 transitions ``X_k → X_{k+1}^{(j)}`` from the anchor's state, each completed to an image by the ODE
-(:func:`stepflow.branch.branch_at`). A branch's reward is then the effect of its one stochastic step, so it is
+(:func:`stepflow.core.branch.branch_at`). A branch's reward is then the effect of its one stochastic step, so it is
 credited to that step alone: the update trains each **branch row** (anchor state X_k, branch X_{k+1}^{(j)}, its
 log-prob under the sampler) at its own step only, through the per-row term mask of :func:`stepflow.core.update.update`.
 
@@ -12,7 +12,7 @@ Rows of the plan that share their prompt and initial noise share one anchor (com
 false`` gives every row its own anchor (TempFlow-GRPO: N seeds × K branches per prompt), ``true`` one anchor per
 prompt whose G rows are its branches (Granular-GRPO: ``--init_same_noise``, one branch per row, ``branches=1``).
 Branch j of row i at step k draws its noise from the row's step-noise seed, its step and j
-(:func:`stepflow.branch.branch_at`): a branch does not depend on the batch, the rank or the resume point.
+(:func:`stepflow.core.branch.branch_at`): a branch does not depend on the batch, the rank or the resume point.
 
 Phases: ``rollout`` the anchors (T NFEs each), ``estimate`` the branches and their completions (the rewards'
 cost: ``Σ_k (T − k − 1)`` NFEs per branch at granularity 1), ``reward`` one call for every branch image and the
@@ -26,10 +26,10 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from stepflow.branch import Branches
-from stepflow.data import IterationPlan
+from stepflow.core.branch import Branches
+from stepflow.core.data import IterationPlan
+from stepflow.core.rollout import Scores, Trajectory, _decode
 from stepflow.errors import NonFiniteRewardsError
-from stepflow.rollout import Scores, Trajectory, _decode
 
 __all__ = ["anchor_rows", "branch_trajectory", "score_branches", "branch_advantages"]
 
@@ -53,10 +53,10 @@ def anchor_rows(plan: IterationPlan) -> tuple[IterationPlan, Tensor]:
 
 def branch_trajectory(anchor: Trajectory, amap: Tensor, branches: list[Branches], adv: Tensor,
                       prompts: list[str], meta: list) -> tuple[Trajectory, Tensor, Tensor]:
-    """The branch rows as one :class:`~stepflow.rollout.Trajectory` the update trains from.
+    """The branch rows as one :class:`~stepflow.core.rollout.Trajectory` the update trains from.
 
     anchor: the U anchors (an ODE rollout); amap: (B,) the anchor of each rollout row; branches: one
-    :class:`~stepflow.branch.Branches` per trained step (S of them, over the B rows, K branches each); adv: (B, K, S)
+    :class:`~stepflow.core.branch.Branches` per trained step (S of them, over the B rows, K branches each); adv: (B, K, S)
     the branches' advantages. Row ``(i·K + j)·S + s`` is branch j of row i at step ``k_s = branches[s].k``: its
     states are the anchor's but ``X_{k_s+1}`` (the branch's), its log-prob, trainable flag and advantage are set at
     step k_s only, and its velocity at X_{k_s} is the anchor's (the behaviour policy's, what GRPO-Guard reads).
@@ -88,7 +88,7 @@ def branch_trajectory(anchor: Trajectory, amap: Tensor, branches: list[Branches]
 
 def score_branches(learner, anchor: Trajectory, amap: Tensor, branches: list[Branches], plan: IterationPlan):
     """One reward call over every branch's completed image (row i, branch j, step s, granularity g) and the
-    anchors' final images. Returns the rows' :class:`~stepflow.rollout.Scores` ((B, T+1): the mean reward of the
+    anchors' final images. Returns the rows' :class:`~stepflow.core.rollout.Scores` ((B, T+1): the mean reward of the
     branches at each trained step over the first granularity, R_T the row's anchor image, components the anchor
     image's) and the branch rewards (B, K, S, G)."""
     pol, steps = learner.policy, learner.loop.num_steps

@@ -18,14 +18,14 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from stepflow.data import IterationPlan, seeded_normal
-from stepflow.estimate import estimate_x0_with_nfe
+from stepflow.core.data import IterationPlan, seeded_normal
+from stepflow.math.estimate import estimate_x0_with_nfe
+from stepflow.math.sde import TIME_GRIDS, fastvideo_time_grid
+from stepflow.math.solvers import flash_tail, x0_from_v
 from stepflow.policies.base import Cond, FlowPolicy, check_time_grid
 from stepflow.rewards.base import Reward
 from stepflow.samplers.base import Sampler
 from stepflow.samplers.ode import Ode
-from stepflow.sde import TIME_GRIDS, fastvideo_time_grid
-from stepflow.solvers import flash_tail, x0_from_v
 
 __all__ = ["Trajectory", "Scores", "sampling_grid", "rollout", "estimate_states", "score"]
 
@@ -61,10 +61,10 @@ class Trajectory:
     meta: list[dict[str, Any]]
     tail_start: int | None = None
     tail_times: Tensor | None = None
-    #: ``loop.retain_graph`` (:mod:`stepflow.retain`): step k -> the rollout's velocity at (X_k, τ_k) (B, C, H, W)
+    #: ``loop.retain_graph`` (:mod:`stepflow.core.retain`): step k -> the rollout's velocity at (X_k, τ_k) (B, C, H, W)
     #: with its autograd graph, for the on-policy update to back-propagate through; None: the update recomputes
     kept: dict[int, Tensor] | None = None
-    kept_gib: float = 0.0  #: the activations those graphs hold (GiB, measured by :class:`stepflow.retain.SavedBytes`)
+    kept_gib: float = 0.0  #: the activations those graphs hold (GiB, measured by :class:`stepflow.core.retain.SavedBytes`)
     kept_refused: str | None = None  #: why a retained rollout fell back to recomputation (``retain_graph=auto``)
 
     @property
@@ -133,7 +133,7 @@ class Scores:
 
 def sampling_grid(policy: FlowPolicy, num_steps: int, kind: str = "model", shift: float | None = None) -> Tensor:
     """The T-step σ grid (T+1,) of ``loop.time_grid``: ``model`` = ``policy.time_grid(num_steps)`` (the scheduler's);
-    ``fastvideo`` = :func:`stepflow.sde.fastvideo_time_grid` with ``shift`` (None: ``policy.shift``), DanceGRPO's.
+    ``fastvideo`` = :func:`stepflow.math.sde.fastvideo_time_grid` with ``shift`` (None: ``policy.shift``), DanceGRPO's.
     Both run from exactly 1 to exactly 0 (checked), so the steps without noise are the same on either grid."""
     if kind == "model":
         return policy.time_grid(num_steps)
@@ -159,7 +159,7 @@ def _check_tail(tail: Tensor | None, sde_steps: list[int] | None, depth: int | N
     tail = tail.to(times.device)
     if tail.ndim != 1 or len(tail) < 1 or float(tail[0]) != float(times[last + 1]):
         raise ValueError(f"tail: must be a (n,) grid starting at grid[{last + 1}] = {float(times[last + 1])} (the "
-                         f"state after the window's last step {last}; stepflow.solvers.flash_grid(...)[last + 1:]), "
+                         f"state after the window's last step {last}; stepflow.math.solvers.flash_grid(...)[last + 1:]), "
                          f"got {tail.tolist()}")
     return last, tail
 
@@ -180,7 +180,7 @@ class _Keeper:
 
     def velocity(self, policy: FlowPolicy, k: int, x: Tensor, t: Tensor, cond: Cond, guidance: float) -> Tensor:
         """The velocity of kept step ``k`` (detached; its graph goes to ``kept[k]``)."""
-        from stepflow.retain import SavedBytes
+        from stepflow.core.retain import SavedBytes
 
         # the activations are measured on the first kept step only: every kept step is the same forward at the
         # same batch, and the measuring hook (a Python call per saved tensor) cost the rollout 0.1-0.3 s of 2
@@ -228,7 +228,7 @@ def rollout(policy: FlowPolicy, plan: IterationPlan, sampler: Sampler, num_steps
     ``sde_steps``: the steps that follow ``sampler`` (an SDE window); the others take the deterministic Euler step
     (no density, untrainable). None: every step. Step k is ``sampler.rollout_step`` (k, grid).
 
-    A ``sampler.multistep`` sampler (dpm2, DiffusionNFT's deterministic DPM-Solver++(2M), :mod:`stepflow.solvers`):
+    A ``sampler.multistep`` sampler (dpm2, DiffusionNFT's deterministic DPM-Solver++(2M), :mod:`stepflow.math.solvers`):
     the loop keeps the x̂0 = X_k − τ_k·v of every state it passes for its next step (dpm2 takes :func:`dpm_order`
     (k, T) of the T-step grid: first order at k = 0 and k = T − 1, second order with the previous state's x̂0
     elsewhere; log-probs 0, nothing trainable). With ``sde_steps`` the steps outside it take the Euler step, and a
@@ -237,15 +237,15 @@ def rollout(policy: FlowPolicy, plan: IterationPlan, sampler: Sampler, num_steps
 
     ``tail`` (MixGRPO-Flash; :meth:`stepflow.windows.base.Window.tail`): the compressed grid after the window, from
     ``tail[0] = grid[last + 1]`` (``last = max(sde_steps)``) down to its end. The loop stops after step ``last`` and
-    :func:`stepflow.solvers.flash_tail` runs DPM-Solver++(2M) from ``X_{last+1}`` over ``tail``, its first step
+    :func:`stepflow.math.solvers.flash_tail` runs DPM-Solver++(2M) from ``X_{last+1}`` over ``tail``, its first step
     second order with the x̂0 of ``X_last`` (released sampling_utils.py L112-144); its result is stored as ``X_T``.
     States ``last + 2 .. T − 1`` do not exist: NaN, with NaN velocities, log-prob 0, untrainable
     (``Trajectory.absent_states``); the velocity of ``X_{last+1}`` is the tail's first evaluation. Needs a non-empty
     ``sde_steps`` and the whole depth. NFEs: ``last + 1`` grid steps + ``len(tail) − 1`` tail steps.
 
-    ``keep`` (``loop.retain_graph``, :mod:`stepflow.retain`): the steps whose velocity is evaluated with gradients
+    ``keep`` (``loop.retain_graph``, :mod:`stepflow.core.retain`): the steps whose velocity is evaluated with gradients
     and kept with its graph in ``Trajectory.kept`` (the trajectory itself is built from the detached values, so it is
-    the same as without). The activations are measured (:class:`stepflow.retain.SavedBytes`) on the first kept step
+    the same as without). The activations are measured (:class:`stepflow.core.retain.SavedBytes`) on the first kept step
     and counted the same for the others. ``keep_budget_gib``: when they, projected from the first kept step to all of
     ``keep``, exceed it, the graphs are let go and the rollout goes on without (``Trajectory.kept`` None,
     ``kept_refused`` says why).

@@ -1,0 +1,54 @@
+"""A run's held-out evaluation and its outputs (the reward curve and the trained weights in diffusers format), for
+:class:`stepflow.grpo.GRPOModule`."""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+
+import torch
+
+
+def ema_applied(module):
+    """A context with the EMA weights in place (no EMA: nothing)."""
+    return module.ema.applied() if module.ema is not None else contextlib.nullcontext()
+
+
+@torch.no_grad()
+def run_evaluation(module, dist) -> dict[str, float]:
+    """Held-out prompts, ODE sampling, EMA weights, every rank its share; rank 0 logs eval/<reward> (+
+    eval/geneval*) and writes a grid. Returns the metrics."""
+    from stepflow.core.heldout import balanced_subset, evaluate_reward, save_grid
+
+    e, policy = module.eval_cfg, module.policy
+    recs = balanced_subset(module.eval_records, e.max_prompts)
+    guidance = e.guidance if e.guidance is not None else getattr(policy, "eval_guidance", 1.0)
+    with ema_applied(module):
+        res, images, prompts = evaluate_reward(policy, module.reward, recs, num_steps=e.num_steps,
+                                               guidance=float(guidance), seed=e.seed, batch_size=e.batch_size,
+                                               dist=dist)
+    if dist.rank == 0:
+        n = min(e.grid_prompts, len(prompts))
+        save_grid(images[:n], prompts[:n], module.run_dir / "eval_grids" / f"iter_{module.iteration:04d}.png")
+        module._log(res)
+    return res
+
+
+def gathered_trained(module) -> dict[str, torch.Tensor] | None:
+    """FSDP2: the (EMA) trained weights gathered whole on rank 0 (every rank must call it); None unsharded."""
+    from stepflow.shell.sharding import full_trained_state, is_sharded
+
+    if not is_sharded(module.policy.transformer):
+        return None
+    with ema_applied(module):
+        return full_trained_state(module.policy, module.policy.finetune == "full")
+
+
+def save_trained(module, out_dir: str | Path, state: dict[str, torch.Tensor] | None = None) -> Path:
+    """Write the (EMA) trained weights in diffusers format: the LoRA (``pipe.load_lora_weights(dir)``), or the
+    fully fine-tuned transformer (``transformer.save_pretrained``). ``state``: the weights gathered from FSDP2
+    shards (:func:`gathered_trained`, EMA already applied), written instead of the live ones."""
+    if state is not None:
+        return module.policy.save_trained(out_dir, state_dict=state)
+    with ema_applied(module):
+        return module.policy.save_trained(out_dir)
