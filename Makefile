@@ -7,7 +7,7 @@ export HF_HUB_OFFLINE ?= 1
 export WANDB_MODE ?= offline
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: install train test test-fast test-slow test-all evaluate pretrain ablations ablations-quick league league-quick clean
+.PHONY: install train test test-fast test-slow test-golden test-all evaluate pretrain ablations ablations-quick league league-quick clean
 
 install: $(STAMP)
 
@@ -45,7 +45,12 @@ test-fast: test
 # The multi-process tests (xdist_group "multiprocess": 2 ranks each) run one at a time on one worker, the
 # single-process slow tests beside them on the other
 test-slow: install
-	$(VPY) -m pytest -q -n $(WORKERS) --dist loadgroup -m slow $(ARGS)
+	$(VPY) -m pytest -q -n $(WORKERS) --dist loadgroup -m "slow and not golden_full" $(ARGS)
+
+# every league recipe's first iteration at its own batch against tests/golden/league_it1.json (about 12 min on 2
+# cores; CI compares the small-batch set, tests/golden/league_it1_small.json, in test-slow)
+test-golden: install
+	$(VPY) -m pytest -q -n $(WORKERS) -m golden_full $(ARGS)
 
 test-all: test test-slow
 

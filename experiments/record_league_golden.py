@@ -4,6 +4,7 @@
     python experiments/record_league_golden.py                      # every recipe of stepflow/conf/experiment/league/
     python experiments/record_league_golden.py --only nft awm       # only these (the others' entries are kept)
     python experiments/record_league_golden.py --check              # run and compare with the file, write nothing
+    python experiments/record_league_golden.py --size small         # the small-batch set (league_it1_small.json)
 
 tests/test_golden_league.py (``slow``) runs each recipe for one iteration (``python -m stepflow.train
 experiment=league/<name> loop.iterations=1 eval.every=0 <overrides>``) and asserts that every metric recorded here is
@@ -37,6 +38,11 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parents[1]
 GOLDEN = HERE / "tests" / "golden" / "league_it1.json"
+#: the small-batch set CI compares (``make test-slow``): the same first iteration of the same recipe on 2 prompts x 8
+#: samples (the recipes' 4 x 16, or their own sizes, otherwise) and a 2-prompt final evaluation without a grid, about
+#: 3x cheaper; the full-size set (``make test-golden``) runs each recipe's own batch
+GOLDEN_SMALL = HERE / "tests" / "golden" / "league_it1_small.json"
+SMALL_ARGS = ["loop.prompts_per_iter=2", "loop.group_size=8", "eval.max_prompts=2", "eval.grid_prompts=0"]
 
 #: the one iteration every recipe runs (then `OVERRIDES[name]`, then hydra.run.dir)
 BASE_ARGS = ["loop.iterations=1", "eval.every=0", "eval.at_start=false", "eval.max_prompts=12"]
@@ -76,12 +82,12 @@ def compared(metrics: dict[str, float]) -> dict[str, float]:
     return {k: v for k, v in metrics.items() if k.startswith(PREFIXES) or k in EXACT}
 
 
-def run_recipe(name: str, overrides: list[str], timeout: int = 3600) -> dict:
+def run_recipe(name: str, overrides: list[str], timeout: int = 3600, base: list[str] = BASE_ARGS) -> dict:
     """One iteration of ``experiment=league/<name>``; its compared metrics and timings."""
     from stepflow.testing.harness import run_cli
 
     with tempfile.TemporaryDirectory(prefix=f"league_{name}_") as d:
-        args = [f"experiment=league/{name}", *BASE_ARGS, *overrides]
+        args = [f"experiment=league/{name}", *base, *overrides]
         t0 = time.perf_counter()
         r = run_cli("stepflow.train", *args, f"hydra.run.dir={d}", timeout=timeout)
         wall = time.perf_counter() - t0
@@ -105,9 +111,17 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--only", nargs="+", metavar="NAME", help="record only these recipes (keep the others' entries)")
     ap.add_argument("--jobs", type=int, default=2, help="runs at once (each is single-threaded; default 2)")
-    ap.add_argument("--out", type=Path, default=GOLDEN, help=f"the file (default {GOLDEN.relative_to(HERE)})")
+    ap.add_argument("--size", choices=("full", "small"), default="full",
+                    help="full: each recipe's own batch (league_it1.json); small: 2 prompts x 8 samples "
+                         "(league_it1_small.json, what CI compares)")
+    ap.add_argument("--out", type=Path, default=None,
+                    help=f"the file (default {GOLDEN.relative_to(HERE)} or {GOLDEN_SMALL.relative_to(HERE)})")
     ap.add_argument("--check", action="store_true", help="compare with --out instead of writing it")
     a = ap.parse_args(argv)
+    if a.jobs < 1:
+        ap.error(f"--jobs: must be >= 1, got {a.jobs}")
+    base = BASE_ARGS + (SMALL_ARGS if a.size == "small" else [])
+    a.out = a.out or (GOLDEN_SMALL if a.size == "small" else GOLDEN)
 
     import stepflow
     from stepflow.testing.harness import ROOT
@@ -122,12 +136,12 @@ def main(argv: list[str] | None = None) -> int:
     print(f"stepflow from {Path(stepflow.__file__).parent}; {len(names)} recipe(s), {a.jobs} at a time", flush=True)
 
     def one(name: str):
-        res = run_recipe(name, OVERRIDES.get(name, []))
+        res = run_recipe(name, OVERRIDES.get(name, []), base=base)
         print(f"  league/{name}: {res['wall_s']:.0f} s (iteration {res['iteration_s']:.0f} s), "
               f"{len(res['metrics'])} metrics", flush=True)
         return name, res
 
-    with ThreadPoolExecutor(max(1, a.jobs)) as pool:
+    with ThreadPoolExecutor(a.jobs) as pool:
         results = dict(pool.map(one, names))
 
     if a.check:
@@ -152,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
     for name, res in results.items():
         excluded = EXCLUDE.get(name, {})
         entries[name] = {
-            "args": [f"experiment=league/{name}", *BASE_ARGS, *OVERRIDES.get(name, [])],
+            "args": [f"experiment=league/{name}", *base, *OVERRIDES.get(name, [])],
             "overrides": OVERRIDES.get(name, []),
             "metrics": {k: v for k, v in res["metrics"].items() if k not in excluded},
             "excluded": excluded,
@@ -162,8 +176,8 @@ def main(argv: list[str] | None = None) -> int:
         }
     doc = {
         **{k: v for k, v in old.items() if k not in ("about", "command", "compared", "recipes")},  # notes kept
-        "about": "iteration 1 of every experiment=league/<name> recipe (tests/test_golden_league.py); re-record with "
-                 "experiments/record_league_golden.py only for a change that alters training on purpose",
+        "about": f"iteration 1 of every experiment=league/<name> recipe, {a.size} batch (tests/test_golden_league.py); "
+                 "re-record with experiments/record_league_golden.py only for a change that alters training on purpose",
         "command": "python -m stepflow.train <args> hydra.run.dir=<tmp>",
         "compared": {"prefixes": list(PREFIXES), "exact": list(EXACT), "tolerance": "1e-6 * max(1, |recorded|)"},
         "recipes": entries,

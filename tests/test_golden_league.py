@@ -1,5 +1,10 @@
 """Golden test of the league: iteration 1 of every ``experiment=league/<name>`` recipe gives the recorded numbers.
 
+Two sets, both recorded from commit 87b3586 (before the architecture refactor): tests/golden/league_it1.json runs each
+recipe at its own batch (``golden_full``: ``make test-golden``, about 12 minutes on 2 cores), and
+tests/golden/league_it1_small.json runs the same first iteration on 2 prompts x 8 samples with a 2-prompt final
+evaluation (``slow``: ``make test-slow``, what CI runs; about 3x cheaper, the same code paths).
+
 tests/golden/league_it1.json holds, per recipe, the command's arguments (``experiment=league/<name>
 loop.iterations=1 eval.every=0 eval.at_start=false eval.max_prompts=12``: the evaluation draws from its own seed, so it
 does not change the training numbers, and the small one keeps the test short) and the iteration-1 rewards,
@@ -9,8 +14,8 @@ be logged and agree within 1e-6·max(1, |x|) (tests/test_golden.py's rule); metr
 change that alters training on purpose re-records the recipes it changes (``python experiments/record_league_golden.py
 --only <name> ...``) and says why in its commit.
 
-The fast test checks that every recipe file of stepflow/conf/experiment/league/ has an entry (a new recipe gets
-recorded); the ``slow`` ones run each recipe once (20-80 s each on 2 CPU cores).
+The fast test checks that every recipe file of stepflow/conf/experiment/league/ has an entry in both sets (a new
+recipe gets recorded); the others run each recipe once (small: 15-60 s each on 2 CPU cores; full: 40-80 s).
 """
 
 from __future__ import annotations
@@ -24,8 +29,10 @@ import pytest
 from stepflow.testing.harness import ROOT, run_cli
 
 GOLDEN = Path(__file__).resolve().parent / "golden" / "league_it1.json"
+GOLDEN_SMALL = GOLDEN.with_name("league_it1_small.json")
 LEAGUE = ROOT / "stepflow" / "conf" / "experiment" / "league"
 RECIPES: dict = json.loads(GOLDEN.read_text())["recipes"]
+SMALL: dict = json.loads(GOLDEN_SMALL.read_text())["recipes"]
 
 
 def _iteration_row(metrics_csv: Path, iteration: int = 1) -> dict[str, float]:
@@ -38,22 +45,35 @@ def _iteration_row(metrics_csv: Path, iteration: int = 1) -> dict[str, float]:
     return out
 
 
-def test_every_league_recipe_is_recorded():
+@pytest.mark.parametrize("recorded, size", [(RECIPES, "full"), (SMALL, "small")])
+def test_every_league_recipe_is_recorded(recorded, size):
     files = sorted(p.stem for p in LEAGUE.glob("*.yaml"))
     assert files, f"no league recipes in {LEAGUE}"
-    missing = sorted(set(files) - set(RECIPES))
-    assert not missing, (f"league recipes without a golden entry: {missing}; record them with "
-                         f"`python experiments/record_league_golden.py --only {' '.join(missing)}`")
-    gone = sorted(set(RECIPES) - set(files))
-    assert not gone, f"golden entries without a recipe file (remove them from {GOLDEN.name}): {gone}"
-    for name, entry in RECIPES.items():
+    missing = sorted(set(files) - set(recorded))
+    assert not missing, (f"league recipes without a golden entry ({size}): {missing}; record them with "
+                         f"`python experiments/record_league_golden.py --size {size} --only {' '.join(missing)}`")
+    gone = sorted(set(recorded) - set(files))
+    assert not gone, f"golden entries ({size}) without a recipe file: {gone}"
+    for name, entry in recorded.items():
         assert entry["args"][0] == f"experiment=league/{name}" and entry["metrics"].get("cost/nfe"), name
+        small = "loop.group_size=8" in entry["args"]
+        assert small == (size == "small"), (name, entry["args"])
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", sorted(RECIPES))
+@pytest.mark.parametrize("name", sorted(SMALL))
 def test_league_recipe_matches_the_golden_iteration(name, tmp_path):
-    entry = RECIPES[name]
+    _compare(name, SMALL[name], tmp_path)
+
+
+@pytest.mark.slow
+@pytest.mark.golden_full
+@pytest.mark.parametrize("name", sorted(RECIPES))
+def test_league_recipe_at_its_own_batch_matches_the_golden_iteration(name, tmp_path):
+    _compare(name, RECIPES[name], tmp_path)
+
+
+def _compare(name: str, entry: dict, tmp_path: Path) -> None:
     timeout = int(max(900, 4 * entry.get("wall_s", 300)))
     r = run_cli("stepflow.train", *entry["args"], f"hydra.run.dir={tmp_path}", timeout=timeout)
     assert r.returncode == 0, r.stderr[-3000:]
