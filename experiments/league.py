@@ -76,7 +76,22 @@ class Method:
         return ([f"experiment={self.experiment}"] if self.experiment else []) + list(self.overrides)
 
 
-#: every method of the league (issue #25's list), the field's as released and stepflow's own recipes
+def recipe_methods(known: set[str], folder: Path = ROOT / "stepflow" / "conf" / "experiment" / "league") -> tuple[Method, ...]:
+    """The league recipes of ``folder`` that ``known`` does not name, as methods: a new method joins the league by its
+    recipe file alone (``experiment=league/<name>``). Its title is the recipe's first comment line up to `` (`` (the
+    recipes open with ``# <Title> (<what it is>) ...``)."""
+    out = []
+    for f in sorted(folder.glob("*.yaml")):
+        if f.stem in known:
+            continue
+        lines = [ln[1:].strip() for ln in f.read_text().splitlines() if ln.startswith("#") and "@package" not in ln]
+        title = lines[0].split(" (")[0].rstrip(":;,.") if lines and lines[0] else f.stem
+        out.append(Method(f.stem, f"league/{f.stem}", (), title))
+    return tuple(out)
+
+
+#: every method of the league (issue #25's list), the field's as released and stepflow's own recipes; then every
+#: other recipe of conf/experiment/league/ (:func:`recipe_methods`)
 METHODS: tuple[Method, ...] = (
     Method("default", None, (), "stepflow's default: gains at step 0, DDIM SDE (python -m stepflow.train)"),
     Method("paper", "league/paper", (), "the paper's recipe: gains at every step, DDIM SDE, T' = 5"),
@@ -98,6 +113,7 @@ METHODS: tuple[Method, ...] = (
     Method("awm", "league/awm", (), "Advantage Weighted Matching"),
     Method("advantageflow", "league/advantageflow", (), "AdvantageFlow"),
 )
+METHODS += recipe_methods({m.name for m in METHODS} | {m.experiment.partition("/")[2] for m in METHODS if m.experiment})
 
 #: one-change variants for the paper's claims (run with the table's seeds and budget, parent's lr)
 CLAIM_ARMS: tuple[Method, ...] = (

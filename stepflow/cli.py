@@ -309,10 +309,10 @@ def group_options(group: str, search: list[Path] | tuple = (), conf_dir: Path = 
     the search path ``search`` (:func:`search_path`), sorted and unique; None when no directory has the group."""
     if not group or group.startswith(("/", ".")) or ".." in group.split("/") or "\\" in group:
         return None
-    found = [d / group for d in (conf_dir, *search) if (d / group).is_dir()]
-    if not found:
-        return None
-    return sorted({p.relative_to(g).with_suffix("").as_posix() for g in found for p in g.rglob("*.yaml")})
+    from stepflow.core.parts import options
+
+    dirs = [d for d in (conf_dir, *search) if (d / group).is_dir()]
+    return options(group, dirs) if dirs else None
 
 
 def check_group_overrides(argv: list[str], conf_dir: Path = CONF_DIR, search: list[Path] | None = None,

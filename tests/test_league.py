@@ -206,6 +206,17 @@ def test_every_method_and_claim_arm_composes_and_claims_name_known_arms():
             assert float(cfg.train.lr) == 0.001 and cfg.eval.at_start is False, m.name
 
 
+def test_a_league_recipe_joins_the_league_by_its_file_alone(tmp_path):
+    (tmp_path / "nft.yaml").write_text("# DiffusionNFT (objective=nft)\n")
+    (tmp_path / "mine.yaml").write_text("# @package _global_\n# My-GRPO (advantage=mine; a method of my own)\nloop: {}\n")
+    (tmp_path / "bare.yaml").write_text("loop: {}\n")
+    got = league.recipe_methods({"nft"}, tmp_path)
+    assert [(m.name, m.experiment, m.title) for m in got] == [("bare", "league/bare", "bare"),
+                                                               ("mine", "league/mine", "My-GRPO")]
+    listed = {m.experiment for m in league.METHODS}  # every shipped recipe is in the league
+    assert {f"league/{p.stem}" for p in (ROOT / "stepflow/conf/experiment/league").glob("*.yaml")} <= listed
+
+
 def test_bad_arguments_are_one_line(capsys):
     with pytest.raises(SystemExit) as e:
         league.main(["--methods", "bogus", "--dry-run"])

@@ -47,10 +47,12 @@ def search_dirs() -> list[Path]:
 
 
 def options(group: str, dirs: Iterable[Path] | None = None) -> list[str]:
-    """The option names of config group ``group`` (its YAML files) in ``dirs`` (default :func:`search_dirs`)."""
+    """The option names of config group ``group`` in ``dirs`` (default :func:`search_dirs`): its
+    ``<group>/**/*.yaml`` files, a sub-folder's as ``league/nft``, sorted and unique."""
     found = set()
     for d in dirs if dirs is not None else search_dirs():
-        found |= {p.stem for p in (Path(d) / group).glob("*.yaml")}
+        g = Path(d) / group
+        found |= {p.relative_to(g).with_suffix("").as_posix() for p in g.rglob("*.yaml")}
     return sorted(found)
 
 
