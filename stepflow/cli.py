@@ -25,10 +25,59 @@ def debugging() -> bool:
 
 
 def fail(msg: str, code: int = 2) -> NoReturn:
-    """Exit with a one-line error ``stepflow: error: <msg>`` (exit status ``code``)."""
+    """Exit with a one-line error ``stepflow: error: <msg>`` (exit status ``code``), also written to the run's log
+    file when there is one (``<run>/train.log``: what explains a run that stopped)."""
     first = " ".join(str(msg).split()) if str(msg).strip() else "error"
     print(f"stepflow: error: {first}", file=sys.stderr, flush=True)
+    to_log_file(f"stepflow: error: {first}", error=True)
     raise SystemExit(code)
+
+
+def to_log_file(line: str, error: bool = False) -> None:
+    """Write ``line`` to the run's log files only (Hydra's file handlers: ``<run>/<command>.log``), not the console
+    (where it is printed already): the summary line and a fatal error end up in train.log too."""
+    import logging
+
+    record = logging.LogRecord("stepflow", logging.ERROR if error else logging.INFO, __file__, 0, line, None, None)
+    for h in logging.getLogger().handlers:
+        if isinstance(h, logging.FileHandler):
+            h.handle(record)
+
+
+def _no_advert(record) -> bool:
+    """A logging filter: False for Lightning's product adverts (``💡 Tip: ... try installing litlogger``)."""
+    return not str(record.msg).startswith("💡")
+
+
+def quiet_libraries() -> None:
+    """A run prints each library line once and no adverts or deprecations the user cannot act on (stepflow's own
+    warnings are never filtered):
+
+    - Lightning's console handler goes (its lines reach the console and the run's log through Hydra's handlers, as
+      everything else does: each once), and its "💡 Tip" adverts are dropped;
+    - the deprecation Lightning's own code triggers in torch (``isinstance(treespec, LeafSpec)``) is ignored where it
+      is raised (Lightning's ``utilities/_pytree.py``);
+    - Lightning's "module(s) in eval mode at the start of training" is ignored: the frozen parts (VAE, text encoders,
+      reference copies, reward nets) are in eval mode on purpose, and the policy's trained modules are not.
+    """
+    import logging
+    import warnings
+
+    import lightning.pytorch  # noqa: F401 - its loggers and their handlers exist from its import on
+
+    if logging.getLogger().handlers:  # under Hydra's logging: its handlers print Lightning's lines
+        for name in ("lightning", "lightning.pytorch", "lightning.fabric"):
+            lg = logging.getLogger(name)
+            for h in [h for h in lg.handlers if type(h) is logging.StreamHandler]:
+                lg.removeHandler(h)
+            lg.propagate = True
+    rank_zero = logging.getLogger("lightning.pytorch.utilities.rank_zero")
+    if _no_advert not in rank_zero.filters:
+        rank_zero.addFilter(_no_advert)
+    warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated",
+                            module=r"lightning\.pytorch\.utilities\._pytree")
+    warnings.filterwarnings("ignore", message=r"Found \d+ module\(s\) in eval mode at the start of training",
+                            module=r"lightning\.pytorch\.loops\.fit_loop")
 
 
 def message(e: BaseException) -> tuple[str, int]:
@@ -474,8 +523,31 @@ def multirun_summary(total: int | None) -> tuple[str, int]:
     return line, 1 if failed or skipped else 0
 
 
-def entry_point(config_name: str) -> Callable:
+def resume_in_place(argv: list[str]) -> list[str]:
+    """``ckpt_path=<run>/checkpoints/<file>.ckpt`` without ``hydra.run.dir``: the resumed run's directory becomes the
+    run directory (Hydra's log appends to its ``train.log``; Hydra's record of this invocation goes to
+    ``.hydra/resume_<time>/``, the original's ``.hydra/`` stays), so a resume started anywhere creates no new
+    directory. Other command lines are returned unchanged."""
+    import time
+
+    keys = {a.partition("=")[0].lstrip("+~") for a in argv if "=" in a}
+    ckpt = next((a.partition("=")[2] for a in argv if a.partition("=")[0].lstrip("+") == "ckpt_path"), None)
+    if not ckpt or ckpt == "auto" or "hydra.run.dir" in keys or any(a in ("-m", "--multirun") for a in argv):
+        return argv
+    ckpt = ckpt.strip("'\"")
+    path = Path(ckpt).expanduser()
+    if path.parent.name != "checkpoints" or not path.is_file() or "'" in str(path) or "\\" in str(path):
+        return argv  # not a run's checkpoint (train.run says what is wrong with it)
+    run_dir = path.resolve().parent.parent
+    extra = [f"hydra.run.dir='{run_dir}'"]
+    if "hydra.output_subdir" not in keys:
+        extra.append(f"hydra.output_subdir=.hydra/resume_{time.strftime('%Y-%m-%d_%H-%M-%S')}")
+    return [*argv, *extra]
+
+
+def entry_point(config_name: str, resumes: bool = False) -> Callable:
     """Decorator for ``main(cfg)`` functions: validates argv, runs Hydra, prints user errors as one line.
+    ``resumes``: the command resumes runs from ``ckpt_path`` (:func:`resume_in_place`).
 
     In a multirun of Hydra's basic launcher a failed job prints its one line (naming the job) and the sweep goes on
     with the next job; the sweep ends with :func:`multirun_summary` and a non-zero exit if any job failed. A signal
@@ -487,6 +559,7 @@ def entry_point(config_name: str) -> Callable:
         @functools.wraps(fn)
         def task(cfg):
             job = _in_process_multirun()
+            quiet_libraries()
             try:
                 check_finite(cfg)
                 out = fn(cfg)
@@ -514,6 +587,8 @@ def entry_point(config_name: str) -> Callable:
         hydra_main = hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name=config_name)(task)
 
         def cli() -> None:
+            if resumes:
+                sys.argv[1:] = resume_in_place(sys.argv[1:])
             argv = sys.argv[1:]
             check_grammar(argv)
             check_group_overrides(argv, config_name=config_name)

@@ -27,6 +27,7 @@ from stepflow.objectives import Grpo
 from stepflow.policies.base import FlowPolicy
 from stepflow.rewards.base import Reward
 from stepflow.shell import outputs, run_state
+from stepflow.shell.progress import Progress
 from stepflow.shell.sharding import same_graph_as_fsdp, shard_module
 
 __all__ = ["GRPOModule"]
@@ -135,9 +136,7 @@ class GRPOModule(L.LightningModule):
     def on_train_start(self) -> None:
         stop.reclaim()  # after the Trainer installed its own SIGTERM handler (a collective inside a signal handler)
         if self.global_rank == 0:
-            from tqdm.auto import tqdm
-
-            self._pbar = tqdm(total=self.loop.iterations, initial=self.iteration, desc="GRPO", unit="it", dynamic_ncols=True)
+            self._pbar = Progress(self)
         if (self.iteration == 0 and self.eval_cfg.at_start) or self.eval_pending:
             self._evaluate()
 
@@ -157,12 +156,10 @@ class GRPOModule(L.LightningModule):
         metrics = self._guarded(self.iterate)
         if metrics is None:
             return None
-        if self._pbar is not None:
-            self._pbar.update(1)
-            shown = metrics.get("train/reward_final", metrics.get("train/reward_mean", float("nan")))
-            self._pbar.set_postfix(reward=f"{shown:.3f}", kl=f"{metrics.get('train/kl', 0):.2e}")
         every = self.eval_cfg.every
         done = self.iteration >= self.loop.iterations or self._budget_spent()
+        if self._pbar is not None:
+            self._pbar.advance(metrics, done)
         evaluate = bool(every and self.iteration % every == 0) or done
         if self.budget is not None:  # eval.at_fractions of the budget: after the iteration that reaches each
             evaluate = evaluate or self.budget.reaches(before, self.spent, self.eval_cfg.at_fractions)
@@ -185,8 +182,11 @@ class GRPOModule(L.LightningModule):
     def _evaluate(self) -> None:
         """The held-out evaluation of this iteration; one a stop interrupts stays pending (checkpointed)."""
         self.eval_pending = True
-        if self._guarded(self.run_evaluation) is not None:
+        res = self._guarded(self.run_evaluation)
+        if res is not None:
             self.eval_pending = False
+            if self._pbar is not None:
+                self._pbar.evaluated(res)
 
     def _budget_spent(self) -> bool:
         return self.budget is not None and self.budget.spent_all(self.spent)

@@ -248,6 +248,9 @@ def summary_line(history: list[dict], run_dir: Path) -> str:
             parts.append(f"{k} {at[0][1]:.3f} -> {at[-1][1]:.3f} ({at[-1][1] - at[0][1]:+.3f}{since})")
     its = max((int(h["iteration"]) for h in history), default=0)
     nfe = max((h.get("cost/nfe_total", 0) for h in history), default=0)
+    equiv = max((h.get("cost/nfe_fwd_equiv_total", 0) for h in history), default=0)
     secs = sum(h.get("time/iteration_s", 0.0) for h in history)
     head = f"stepflow: {its} iterations, {secs:.0f} s training, {int(nfe):,} NFEs"
+    if equiv > nfe:  # what a budget counts: a backward pass as two forwards
+        head += f" ({int(equiv):,} forward-equivalent)"
     return "; ".join([head, *parts, f"outputs in {run_dir}"])

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from stepflow.cli import entry_point, instantiate
+from stepflow.cli import entry_point, instantiate, to_log_file
 from stepflow.config import DataConfig, EmaConfig, EvalConfig, LoopConfig, LoraConfig, TrainConfig, to_config
 from stepflow.errors import StepflowError
 from stepflow.rundir import resolve_ckpt, resume_command, summary_line
@@ -143,7 +143,13 @@ def build_trainer(cfg: DictConfig, run_dir: Path):
                for name, node in _container(cfg.logger).items() if node]
     callbacks = [instantiate(node, f"callbacks.{name}", dirpath=str(run_dir / "checkpoints"))
                  for name, node in _container(cfg.callbacks).items() if node]
-    return instantiate(_container(cfg.trainer), "trainer", max_epochs=-1, logger=loggers or False,
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    trainer = _container(cfg.trainer)
+    # one checkpoint file per run: stepflow's checkpoints/last.ckpt (callbacks.checkpoint); Lightning's own
+    # ModelCheckpoint (a second copy under the logger's folder) only where the user configures one
+    trainer.setdefault("enable_checkpointing", any(isinstance(c, ModelCheckpoint) for c in callbacks))
+    return instantiate(trainer, "trainer", max_epochs=-1, logger=loggers or False,
                        callbacks=callbacks, plugins=[AtomicCheckpointIO()], enable_progress_bar=False,
                        enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,
                        use_distributed_sampler=False, log_every_n_steps=1, default_root_dir=str(run_dir))
@@ -201,7 +207,7 @@ def run(cfg: DictConfig, run_dir: Path):
     return module
 
 
-@entry_point("train")
+@entry_point("train", resumes=True)
 def main(cfg: DictConfig) -> None:
     from hydra.core.hydra_config import HydraConfig
 
@@ -211,7 +217,9 @@ def main(cfg: DictConfig) -> None:
         run_dir = Path(str(ckpt)).expanduser().parent.parent  # continue writing into the resumed run's dir
     module = run(cfg, run_dir)
     if module.global_rank == 0:
-        print(summary_line(module.history, run_dir), flush=True)
+        line = summary_line(module.history, run_dir)
+        print(line, flush=True)
+        to_log_file(line)
 
 
 if __name__ == "__main__":

@@ -117,6 +117,10 @@ def test_outputs_of_a_run(tmp_path):
     a, b = float(evals[0]["eval/geneval"]), float(evals[-1]["eval/geneval"])
     assert line.startswith("stepflow: 2 iterations,") and f"eval/geneval {a:.3f} -> {b:.3f} ({b - a:+.3f})" in line
     assert "eval/geneval_" not in line and str(tmp_path) in line
+    # the model's forward calls, and what a budget counts (a backward as two forwards), both from metrics.csv
+    last = [r for r in rows if r.get("cost/nfe_total")][-1]
+    nfe, equiv = (int(float(last[k])) for k in ("cost/nfe_total", "cost/nfe_fwd_equiv_total"))
+    assert f" {nfe:,} NFEs ({equiv:,} forward-equivalent);" in line and equiv > nfe
 
 
 def test_kill_and_resume_matches_uninterrupted(tmp_path):

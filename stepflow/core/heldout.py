@@ -66,22 +66,27 @@ def expand_records(records: Sequence[dict[str, Any] | str], num_per_prompt: int 
     return [r for r in recs for _ in range(int(num_per_prompt))]
 
 
+def balanced_indices(records: Sequence[dict[str, Any]], n: int) -> list[int]:
+    """The positions of ``n`` records taking the categories in turn (first-appearance order of the categories, file
+    order within one), so that a small subset still covers every category."""
+    by: dict[str, list[int]] = {}
+    for i, r in enumerate(records):
+        by.setdefault(str(r.get("category", r.get("tag", "all"))), []).append(i)
+    n = min(int(n), len(records))
+    out: list[int] = []
+    depth = 0
+    while len(out) < n:
+        out += [idx[depth] for idx in by.values() if depth < len(idx)][:n - len(out)]
+        depth += 1
+    return out
+
+
 def balanced_subset(records: Sequence[dict[str, Any]], n: int | None) -> list[dict[str, Any]]:
-    """``n`` records taking the categories in turn (file order within a category), so that a small subset still
-    covers every category; all records when ``n`` is None or not smaller than the file."""
+    """``n`` records taking the categories in turn (:func:`balanced_indices`); all records when ``n`` is None or not
+    smaller than the file."""
     if n is None or int(n) >= len(records):
         return list(records)
-    by: dict[str, list[dict[str, Any]]] = {}
-    for r in records:
-        by.setdefault(str(r.get("category", "all")), []).append(r)
-    out: list[dict[str, Any]] = []
-    i = 0
-    while len(out) < int(n):
-        for cat in by:  # first-appearance order
-            if i < len(by[cat]) and len(out) < int(n):
-                out.append(by[cat][i])
-        i += 1
-    return out
+    return [records[i] for i in balanced_indices(records, n)]
 
 
 def evaluate_geneval(policy: FlowPolicy, prompt_records: Sequence[dict[str, Any] | str], num_steps: int = 10,
@@ -103,7 +108,7 @@ def evaluate_geneval(policy: FlowPolicy, prompt_records: Sequence[dict[str, Any]
 
 @torch.no_grad()
 def evaluate_reward(policy: FlowPolicy, reward, records: Sequence[dict[str, Any]], num_steps: int = 10,
-                    guidance: float = 1.0, seed: int = 0, batch_size: int = 64, dist=None
+                    guidance: float = 1.0, seed: int = 0, batch_size: int = 64, dist=None, detail: dict | None = None
                     ) -> tuple[dict[str, float], Tensor, list[str]]:
     """The held-out evaluation of a training run: :func:`sample_ode` on the records' prompts, scored by ``reward``,
     sharded over the ranks of ``dist`` (a :class:`stepflow.core.dist.Dist`; each samples a contiguous slice with the noise
@@ -112,7 +117,8 @@ def evaluate_reward(policy: FlowPolicy, reward, records: Sequence[dict[str, Any]
     Returns ``({"eval/<reward>": mean score, "eval/geneval*": ...}, this rank's images, their prompts)``; NaN / inf
     scores are left out of the mean and counted (``eval/nonfinite_rewards``, only when there are any). The
     GenEval-style table (strict accuracy per category, their mean) comes from the reward's own ``strict`` component
-    and each record's ``tag`` (or ``category``), when both exist; the judge runs once per image.
+    and each record's ``tag`` (or ``category``), when both exist; the judge runs once per image. ``detail``: a dict
+    that receives this rank's ``records``, per-sample ``scores`` and ``strict`` verdicts (None without them).
     """
     rank, world = (0, 1) if dist is None else (dist.rank, dist.world)
     n = len(records)
@@ -125,6 +131,10 @@ def evaluate_reward(policy: FlowPolicy, reward, records: Sequence[dict[str, Any]
     images = sample_ode(policy, padded, num_steps=num_steps, guidance=guidance, seed=seed, batch_size=batch_size,
                         offset=rank * per, total=n, dist=dist if world > 1 else None)[:len(prompts)]
     out = reward(images, prompts, mine) if mine else None
+    if detail is not None:
+        detail.update(records=mine, scores=None if out is None else out.scores.float().tolist(),
+                      strict=None if out is None or "strict" not in out.components
+                      else [bool(v > 0.5) for v in out.components["strict"].float().tolist()])
     tags = [r.get("tag", r.get("category")) for r in records]
     cols = [out.scores.float() if out is not None else torch.zeros(0)]
     strict = out is not None and "strict" in out.components and all(t is not None for t in tags)
@@ -160,8 +170,9 @@ def format_table(table: dict[str, float]) -> str:
 
 
 def save_grid(images: Tensor, prompts: Sequence[str], path: str | Path, ncol: int = 8, title: str | None = None,
-              scores: Sequence[float] | None = None, dpi: int = 100) -> Path:
-    """Save ``images`` (N, 3, H, W) in [0, 1] as a PNG grid with each prompt (and optional score) as its title."""
+              scores: Sequence[float] | None = None, dpi: int = 100, passed: Sequence[bool] | None = None) -> Path:
+    """Save ``images`` (N, 3, H, W) in [0, 1] as a PNG grid with each prompt (and optional score) as its title;
+    ``passed``: a verdict per image, drawn as a green (passed) or red (failed) frame."""
     import matplotlib
 
     matplotlib.use("Agg", force=False)
@@ -172,16 +183,22 @@ def save_grid(images: Tensor, prompts: Sequence[str], path: str | Path, ncol: in
     n = images.shape[0]
     ncol = max(1, min(ncol, n))
     nrow = max(1, math.ceil(n / ncol))
-    fig, axes = plt.subplots(nrow, ncol, figsize=(1.9 * ncol, 2.2 * nrow + (0.4 if title else 0)), squeeze=False)
+    fig, axes = plt.subplots(nrow, ncol, figsize=(1.9 * ncol, 2.45 * nrow + (0.5 if title else 0)), squeeze=False)
     for ax in axes.flat:
         ax.axis("off")
     for i in range(n):
         ax = axes.flat[i]
         ax.imshow(images[i].detach().float().clamp(0, 1).permute(1, 2, 0).cpu().numpy(), interpolation="nearest")
-        label = "\n".join(textwrap.wrap(prompts[i], 24)[:4])
+        label = "\n".join(textwrap.wrap(prompts[i], 22)[:3])
         if scores is not None:
             label += f"\n[{scores[i]:.2f}]"
-        ax.set_title(label, fontsize=6)
+        ax.set_title(label, fontsize=7)
+        if passed is not None:  # a frame: axis("off") hides the spines, so draw them back in the verdict's colour
+            ax.axis("on")
+            ax.set_xticks([]), ax.set_yticks([])
+            for sp in ax.spines.values():
+                sp.set_color("tab:green" if passed[i] else "tab:red")
+                sp.set_linewidth(2.5)
     if title:
         fig.suptitle(title, fontsize=9)
     fig.tight_layout()

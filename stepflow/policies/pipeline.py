@@ -94,7 +94,7 @@ def load_pipeline(pipeline_cls, path: str, dtype: torch.dtype = torch.bfloat16,
     messages; ``example_id`` is the Hub id the download hint names; ``gated``: the message mentions the licence.
     """
     path = str(path)
-    fix = (f"download it once (e.g. `huggingface-cli download {path if not _looks_local(path) else example_id} "
+    fix = (f"download it once (e.g. `hf download {path if not _looks_local(path) else example_id} "
            f"--local-dir DIR`) and point at the local copy with model.path=DIR")
     local = Path(path).expanduser()
     if _looks_local(path):
@@ -120,7 +120,7 @@ def load_pipeline(pipeline_cls, path: str, dtype: torch.dtype = torch.bfloat16,
         pipe = pipeline_cls.from_pretrained(path, **kwargs)
     except Exception as err:  # noqa: BLE001 - every loader failure becomes one actionable line
         hint = " (HF_HUB_OFFLINE is set, so only the local cache is searched)" if _offline() and not local.is_dir() else ""
-        lic = "; the repo is gated: accept its licence on the Hub and `huggingface-cli login`" if gated else ""
+        lic = "; the repo is gated: accept its licence on the Hub and `hf auth login`" if gated else ""
         raise ModelLoadError(f"model.path: cannot load the {what} model '{path}'{hint}: {_first_line(err)}; "
                              f"{fix}{lic}") from None
     pipe.set_progress_bar_config(disable=True)

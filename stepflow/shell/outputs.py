@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import contextlib
+import textwrap
 from pathlib import Path
 
 import torch
@@ -18,20 +19,45 @@ def ema_applied(module):
 def run_evaluation(module, dist) -> dict[str, float]:
     """Held-out prompts, ODE sampling, EMA weights, every rank its share; rank 0 logs eval/<reward> (+
     eval/geneval*) and writes a grid. Returns the metrics."""
-    from stepflow.core.heldout import balanced_subset, evaluate_reward, save_grid
+    from stepflow.core.heldout import balanced_subset, evaluate_reward
 
     e, policy = module.eval_cfg, module.policy
     recs = balanced_subset(module.eval_records, e.max_prompts)
     guidance = e.guidance if e.guidance is not None else getattr(policy, "eval_guidance", 1.0)
+    detail: dict = {}
     with ema_applied(module):
         res, images, prompts = evaluate_reward(policy, module.reward, recs, num_steps=e.num_steps,
                                                guidance=float(guidance), seed=e.seed, batch_size=e.batch_size,
-                                               dist=dist)
+                                               dist=dist, detail=detail)
     if dist.rank == 0:
-        n = min(e.grid_prompts, len(prompts))
-        save_grid(images[:n], prompts[:n], module.run_dir / "eval_grids" / f"iter_{module.iteration:04d}.png")
+        save_eval_grid(module, images, prompts, detail, res)
         module._log(res)
     return res
+
+
+def save_eval_grid(module, images: torch.Tensor, prompts: list[str], detail: dict, res: dict[str, float]) -> Path | None:
+    """``<run>/eval_grids/iter_NNNN.png``: ``eval.grid_prompts`` of the evaluated samples, the prompt categories
+    taken in turn; framed green / red by the reward's strict verdict (GenEval's rules) where it gives one, else
+    captioned with the score; the title names the iteration, the held-out score and what the verdict means."""
+    from stepflow.core.heldout import balanced_indices, save_grid
+
+    n = min(module.eval_cfg.grid_prompts, len(prompts))
+    if n == 0:
+        return None
+    idx = balanced_indices(detail.get("records") or [{"prompt": p} for p in prompts], n)
+    strict, scores = detail.get("strict"), detail.get("scores")
+    passed = [strict[i] for i in idx] if strict is not None else None
+    name = module.reward.name
+    score = res.get("eval/geneval", res.get(f"eval/{name}", float("nan")))
+    what = "GenEval" if "eval/geneval" in res else name
+    head = (f"held-out samples after iteration {module.iteration}" if module.iteration else "held-out samples before training")
+    title = f"{head} (EMA weights): {what} {score:.3f}"
+    if passed is not None:
+        title += (f"; {sum(passed)}/{n} shown pass. Green: GenEval's rules pass the image, red: they do not "
+                  "(the rules accept objects beyond the asked ones)")
+    return save_grid(images[idx], [prompts[i] for i in idx], module.run_dir / "eval_grids" / f"iter_{module.iteration:04d}.png",
+                     title="\n".join(textwrap.wrap(title, 120)), passed=passed,
+                     scores=None if passed is not None or scores is None else [scores[i] for i in idx])
 
 
 def gathered_trained(module) -> dict[str, torch.Tensor] | None:
