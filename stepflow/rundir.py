@@ -254,3 +254,19 @@ def summary_line(history: list[dict], run_dir: Path) -> str:
     if equiv > nfe:  # what a budget counts: a backward pass as two forwards
         head += f" ({int(equiv):,} forward-equivalent)"
     return "; ".join([head, *parts, f"outputs in {run_dir}"])
+
+
+@contextlib.contextmanager
+def tidied_if_unstarted(run_dir: Path, fresh: bool):
+    """A fresh run (``fresh``: not a resume) that fails before its first checkpoint leaves behind only what explains
+    why: Hydra's record (``.hydra/``) and ``train.log``, which holds the error line; the ``config.yaml`` it wrote and
+    the folders it left empty go. Results it wrote (a start evaluation's metrics and grid) stay."""
+    try:
+        yield
+    except BaseException:
+        if fresh and global_rank() == 0 and not (run_dir / "checkpoints" / "last.ckpt").exists():
+            (run_dir / "config.yaml").unlink(missing_ok=True)
+            for d in sorted((p for p in run_dir.rglob("*") if p.is_dir()), key=lambda p: len(p.parts), reverse=True):
+                if not any(d.iterdir()):
+                    d.rmdir()
+        raise

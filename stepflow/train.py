@@ -20,7 +20,7 @@ from omegaconf import DictConfig, OmegaConf
 from stepflow.cli import entry_point, instantiate, to_log_file
 from stepflow.config import DataConfig, EmaConfig, EvalConfig, LoopConfig, LoraConfig, TrainConfig, to_config
 from stepflow.errors import StepflowError
-from stepflow.rundir import resolve_ckpt, resume_command, summary_line
+from stepflow.rundir import resolve_ckpt, resume_command, summary_line, tidied_if_unstarted
 
 __all__ = ["settings", "Settings", "build_module", "build_trainer", "build_policy", "build_reward", "run", "main",
            "resolve_ckpt", "resume_command", "summary_line"]
@@ -173,15 +173,20 @@ def run(cfg: DictConfig, run_dir: Path):
     original run's settings (:data:`stepflow.rundir.RESUMABLE` may change) and never rewrites its ``config.yaml``.
     SIGINT / SIGTERM stop the run at the next phase boundary with last.ckpt holding the last finished iteration, and
     raise a :class:`StepflowError` whose ``exit_code`` is 128 + the signal (a requeue-friendly failure for SLURM)."""
+    settings(cfg)  # every check that needs no model, before the run dir is touched
+    ckpt = resolve_ckpt(cfg.get("ckpt_path"), run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    with tidied_if_unstarted(run_dir, fresh=ckpt is None):
+        return _fit(cfg, run_dir, ckpt)
+
+
+def _fit(cfg: DictConfig, run_dir: Path, ckpt: Path | None):
     from lightning.pytorch.utilities.exceptions import SIGTERMException
     from torch.utils.data import DataLoader
 
     from stepflow.core import stop
     from stepflow.rundir import check_resume, global_rank, run_lock
 
-    settings(cfg)  # every check that needs no model, before the run dir is touched
-    ckpt = resolve_ckpt(cfg.get("ckpt_path"), run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
     with run_lock(run_dir), stop.signals_handled(announce=lambda m: print(f"stepflow: {m}", flush=True)):
         if ckpt is not None:
             check_resume(cfg, run_dir)
