@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from stepflow.cli import entry_point, instantiate, to_log_file
+from stepflow.cli import entry_point, instantiate, quiet_libraries, to_log_file
 from stepflow.config import DataConfig, EmaConfig, EvalConfig, LoopConfig, LoraConfig, TrainConfig, to_config
 from stepflow.errors import StepflowError
 from stepflow.rundir import resolve_ckpt, resume_command, summary_line, tidied_if_unstarted
@@ -145,6 +145,7 @@ def build_trainer(cfg: DictConfig, run_dir: Path):
                  for name, node in _container(cfg.callbacks).items() if node]
     from lightning.pytorch.callbacks import ModelCheckpoint
 
+    quiet_libraries()  # also where a Trainer is built outside the command (tests, notebooks)
     trainer = _container(cfg.trainer)
     # one checkpoint file per run: stepflow's checkpoints/last.ckpt (callbacks.checkpoint); Lightning's own
     # ModelCheckpoint (a second copy under the logger's folder) only where the user configures one
