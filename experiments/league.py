@@ -194,6 +194,8 @@ class Settings:
     methods: tuple[str, ...] = tuple(m.name for m in METHODS)
     claims: bool = True
     grid: bool = True
+    #: a pipeline check (``make league-quick``): its report says so at the top and ranks nothing
+    check: bool = False
     out: Path = OUT
     extra: tuple[str, ...] = ()
     prefix: tuple[str, ...] = ()  #: a launcher each run's command goes through (srun ...)
@@ -224,7 +226,7 @@ PAPER_BUDGET = 5e6
 
 def quick_settings() -> Settings:
     return Settings(budget=8_000.0, fractions=(1.0,), seeds=(0, 1), methods=QUICK_METHODS, claims=False, grid=False,
-                    out=OUT.parent / "league_quick")
+                    out=OUT.parent / "league_quick", check=True)
 
 
 def method(name: str) -> Method:
