@@ -526,7 +526,7 @@ def multirun_summary(total: int | None) -> tuple[str, int]:
 def resume_in_place(argv: list[str]) -> list[str]:
     """``ckpt_path=<run>/checkpoints/<file>.ckpt`` without ``hydra.run.dir``: the resumed run's directory becomes the
     run directory (Hydra's log appends to its ``train.log``; Hydra's record of this invocation goes to
-    ``.hydra/resume_<time>/``, the original's ``.hydra/`` stays), so a resume started anywhere creates no new
+    ``.hydra/resume_<time>_<pid>/``, the original's ``.hydra/`` stays), so a resume started anywhere creates no new
     directory. Other command lines are returned unchanged."""
     import time
 
@@ -541,7 +541,7 @@ def resume_in_place(argv: list[str]) -> list[str]:
     run_dir = path.resolve().parent.parent
     extra = [f"hydra.run.dir='{run_dir}'"]
     if "hydra.output_subdir" not in keys:
-        extra.append(f"hydra.output_subdir=.hydra/resume_{time.strftime('%Y-%m-%d_%H-%M-%S')}")
+        extra.append(f"hydra.output_subdir=.hydra/resume_{time.strftime('%Y-%m-%d_%H-%M-%S')}_{os.getpid()}")
     return [*argv, *extra]
 
 

@@ -257,16 +257,26 @@ def summary_line(history: list[dict], run_dir: Path) -> str:
 
 
 @contextlib.contextmanager
-def tidied_if_unstarted(run_dir: Path, fresh: bool):
-    """A fresh run (``fresh``: not a resume) that fails before its first checkpoint leaves behind only what explains
-    why: Hydra's record (``.hydra/``) and ``train.log``, which holds the error line; the ``config.yaml`` it wrote and
-    the folders it left empty go. Results it wrote (a start evaluation's metrics and grid) stay."""
+def tidied_if_unstarted(run_dir: Path, fresh: bool, record: Path | None = None):
+    """A run that fails before it writes a checkpoint leaves behind only what explains why: ``train.log`` holds the
+    error line. A fresh run (``fresh``) also keeps Hydra's record (``.hydra/``); the ``config.yaml`` it wrote and the
+    folders it left empty go. A resume leaves the run as it found it, but for the log: ``record`` (this invocation's
+    Hydra record, ``.hydra/resume_<time>/``) goes. Results a fresh run wrote (a start evaluation's metrics and grid)
+    stay."""
+    last = run_dir / "checkpoints" / "last.ckpt"
+    before = last.stat().st_mtime_ns if last.exists() else None
     try:
         yield
     except BaseException:
-        if fresh and global_rank() == 0 and not (run_dir / "checkpoints" / "last.ckpt").exists():
-            (run_dir / "config.yaml").unlink(missing_ok=True)
-            for d in sorted((p for p in run_dir.rglob("*") if p.is_dir()), key=lambda p: len(p.parts), reverse=True):
-                if not any(d.iterdir()):
-                    d.rmdir()
+        started = last.exists() and last.stat().st_mtime_ns != before
+        if not started and global_rank() == 0:
+            if fresh:
+                (run_dir / "config.yaml").unlink(missing_ok=True)
+                for d in sorted((p for p in run_dir.rglob("*") if p.is_dir()), key=lambda p: len(p.parts), reverse=True):
+                    if not any(d.iterdir()):
+                        d.rmdir()
+            elif record is not None and record.is_dir() and record.parent.name == ".hydra":
+                import shutil
+
+                shutil.rmtree(record, ignore_errors=True)
         raise

@@ -167,7 +167,7 @@ def _deepspeed_env(cfg: DictConfig) -> None:
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 
-def run(cfg: DictConfig, run_dir: Path):
+def run(cfg: DictConfig, run_dir: Path, record: Path | None = None):
     """Build and fit; returns the trained :class:`~stepflow.grpo.GRPOModule`.
 
     The run directory is locked for the run (one run per directory); a resume (``ckpt_path``) must keep the
@@ -177,7 +177,7 @@ def run(cfg: DictConfig, run_dir: Path):
     settings(cfg)  # every check that needs no model, before the run dir is touched
     ckpt = resolve_ckpt(cfg.get("ckpt_path"), run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    with tidied_if_unstarted(run_dir, fresh=ckpt is None):
+    with tidied_if_unstarted(run_dir, fresh=ckpt is None, record=record):
         return _fit(cfg, run_dir, ckpt)
 
 
@@ -217,11 +217,13 @@ def _fit(cfg: DictConfig, run_dir: Path, ckpt: Path | None):
 def main(cfg: DictConfig) -> None:
     from hydra.core.hydra_config import HydraConfig
 
-    run_dir = Path(HydraConfig.get().runtime.output_dir)
+    hc = HydraConfig.get()
+    run_dir = Path(hc.runtime.output_dir)
+    record = run_dir / hc.output_subdir if hc.output_subdir and str(hc.output_subdir).startswith(".hydra/resume_") else None
     ckpt = cfg.get("ckpt_path")
     if ckpt and ckpt != "auto" and Path(str(ckpt)).expanduser().parent.name == "checkpoints":
         run_dir = Path(str(ckpt)).expanduser().parent.parent  # continue writing into the resumed run's dir
-    module = run(cfg, run_dir)
+    module = run(cfg, run_dir, record)
     if module.global_rank == 0:
         line = summary_line(module.history, run_dir)
         print(line, flush=True)

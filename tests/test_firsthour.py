@@ -64,6 +64,13 @@ def test_a_resume_started_elsewhere_continues_in_the_run_directory(first_run):
     assert its == {1, 2, 3}
     assert "stepflow: 3 iterations," in (run / "train.log").read_text()
     assert len(list(run.rglob("*.ckpt"))) == 1
+    # a refused resume (another lr) leaves the run as it was, but for its error line in train.log
+    records = sorted(p.name for p in (run / ".hydra").glob("resume_*"))
+    r = run_cli("stepflow.train", "experiment=smoke", "loop.iterations=4", "train.lr=0.5",
+                f"ckpt_path={run / 'checkpoints' / 'last.ckpt'}", cwd=elsewhere, timeout=900)
+    assert r.returncode != 0 and "train.lr" in r.stderr.strip().splitlines()[-1]
+    assert sorted(p.name for p in (run / ".hydra").glob("resume_*")) == records and not list(elsewhere.iterdir())
+    assert r.stderr.strip().splitlines()[-1] in (run / "train.log").read_text()
 
 
 def test_a_run_that_fails_before_its_first_iteration_leaves_only_its_explanation(tmp_path):
