@@ -846,32 +846,6 @@ def run_pool(runs: Sequence[Run], jobs: int, env: dict[str, str], prefix: Sequen
     return codes
 
 
-def int_list(ap: argparse.ArgumentParser, flag: str, text: str, lo: int = 0) -> tuple[int, ...]:
-    """A comma-separated list of distinct integers >= ``lo`` (``--seeds 0,1``); anything else is one line naming
-    ``flag`` (argparse's error: exit 2)."""
-    items = [x.strip() for x in text.split(",") if x.strip()]
-    bad = [x for x in items if not x.lstrip("+-").isdigit() or int(x) < lo]
-    if bad or not items:
-        ap.error(f"{flag}: must be comma-separated integers >= {lo} (e.g. 0,1,2), got {text!r}")
-    vals = tuple(int(x) for x in items)
-    dup = sorted({v for v in vals if vals.count(v) > 1})
-    if dup:
-        ap.error(f"{flag}: {dup[0]} is given twice (its runs would share one run dir); give each once")
-    return vals
-
-
-def check_dir_arg(ap: argparse.ArgumentParser, flag: str, value: str) -> Path:
-    """A directory argument that is a directory or can be created (no file in its way)."""
-    p = Path(value).expanduser().resolve()
-    q = p
-    while not q.exists() and q != q.parent:
-        q = q.parent
-    if not q.is_dir() or not os.access(q, os.W_OK):
-        what = "is a file" if q.is_file() else "cannot be written"
-        ap.error(f"{flag}: {p} cannot be a directory ({q} {what}); give a directory that can be written")
-    return p
-
-
 def check_args(ap: argparse.ArgumentParser, a: argparse.Namespace, s: Settings) -> None:
     """The command line's values into ``s``, each checked before anything runs (argparse's one-line error)."""
     try:
@@ -891,7 +865,7 @@ def check_args(ap: argparse.ArgumentParser, a: argparse.Namespace, s: Settings) 
             ap.error(f"--methods: {dup[0]} is given twice (its runs would share one run dir); name each method once")
         s.methods = names
     if a.seeds is not None:
-        s.seeds = int_list(ap, "--seeds", a.seeds)
+        s.seeds = ablations.int_list(ap, "--seeds", a.seeds)
     if a.budget is not None:
         if not (math.isfinite(a.budget) and a.budget * s.grid_budget_fraction >= 1):
             ap.error(f"--budget: must be a finite number of forward-equivalent NFEs >= {1 / s.grid_budget_fraction:g} "
@@ -902,9 +876,9 @@ def check_args(ap: argparse.ArgumentParser, a: argparse.Namespace, s: Settings) 
     s.claims = s.claims and not a.no_claims
     s.grid = s.grid and not a.no_grid
     if a.out:
-        s.out = check_dir_arg(ap, "--out", a.out)
+        s.out = ablations.writable_dir(ap, "--out", Path(a.out).expanduser().resolve())
     if a.docs:
-        check_dir_arg(ap, "--docs", a.docs)
+        ablations.writable_dir(ap, "--docs", Path(a.docs).expanduser().resolve())
 
 
 def main(argv: Sequence[str] | None = None) -> int:
