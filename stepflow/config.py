@@ -597,6 +597,11 @@ class PretrainConfig:
         for name in ("out_dir", "finalize_only", "resume", "export_dir"):
             _path(name, getattr(self, name))
         _flag("export", self.export)
+        _need(not (self.export and isinstance(self.select, PretrainSelectConfig) and not self.select.enabled),
+              "export: exports the checkpoint the selection picks, and select.enabled=false picks none; set "
+              "select.enabled=true or export=false")
+        _need(not (self.finalize_only and self.resume), "finalize_only: only re-scores and selects a finished run's "
+              "checkpoints, so resume would be ignored; give one of finalize_only / resume")
 
 
 # ------------------------------------------------------------------------------------------------ evaluate
