@@ -682,6 +682,10 @@ class Limits:
     def __post_init__(self) -> None:
         for f in fields(Limits):
             setattr(self, f.name, check_limit(f.name, getattr(self, f.name)))
+        if self.max_request_pixels < self.max_image_pixels:
+            raise StepflowError(f"max_request_pixels: must be >= max_image_pixels={self.max_image_pixels} (one image's "
+                                f"limit), got {self.max_request_pixels}: a request of one image the server takes "
+                                "would be refused; raise max_request_pixels or lower max_image_pixels")
 
     @property
     def max_body(self) -> int:
