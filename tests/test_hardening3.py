@@ -220,7 +220,19 @@ def test_run_pool_with_no_jobs_still_runs(tmp_path):
     league = load_experiment("league")
     run = league.Run("table", league.method("default"), "0.001", 0, tmp_path / "table" / "default" / "seed=0")
     run.command = lambda python=None, prefix=(): [sys.executable, "-c", "pass"]
-    assert league.run_pool([run], 0, dict(os.environ)) == [0]
+
+    def hung(signum, frame):  # noqa: ARG001
+        raise TimeoutError("run_pool with jobs=0 started nothing and waited")
+
+    import signal
+
+    old = signal.signal(signal.SIGALRM, hung)
+    signal.alarm(120)
+    try:
+        assert league.run_pool([run], 0, dict(os.environ)) == [0]
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, old)
 
 
 # ------------------------------------------------------------------------------------------------ the ledger
