@@ -496,6 +496,31 @@ def split_overrides(argv: Sequence[str] | None) -> tuple[list[str], list[str]]:
     return argv, []
 
 
+def int_list(ap: argparse.ArgumentParser, flag: str, text: str, lo: int = 0) -> tuple[int, ...]:
+    """A comma-separated list of distinct integers >= ``lo`` (``--seeds 0,1``); anything else is one line naming
+    ``flag`` (argparse's error: exit 2)."""
+    items = [x.strip() for x in text.split(",") if x.strip()]
+    bad = [x for x in items if not x.lstrip("+-").isdigit() or int(x) < lo]
+    if bad or not items:
+        ap.error(f"{flag}: must be comma-separated integers >= {lo} (e.g. 0,1,2), got {text!r}")
+    vals = tuple(int(x) for x in items)
+    dup = sorted({v for v in vals if vals.count(v) > 1})
+    if dup:
+        ap.error(f"{flag}: {dup[0]} is given twice (its runs would share one run dir); give each once")
+    return vals
+
+
+def writable_dir(ap: argparse.ArgumentParser, flag: str, path: Path) -> Path:
+    """``path`` is a directory or can be made one (no file in its way, its first existing parent writable)."""
+    q = Path(path)
+    while not q.exists() and q != q.parent:
+        q = q.parent
+    if not q.is_dir() or not os.access(q, os.W_OK):
+        what = "is a file" if q.is_file() else "cannot be written"
+        ap.error(f"{flag}: {path} cannot be a directory ({q} {what}); give a directory that can be written")
+    return Path(path)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv, extra = split_overrides(argv)
     suites = build_suites()
@@ -516,18 +541,25 @@ def main(argv: Sequence[str] | None = None) -> int:
     a = ap.parse_args(argv)
 
     suite = suites[a.suite]
-    if a.only:
+    if a.only is not None:
         names = [n.strip() for n in a.only.split(",") if n.strip()]
         unknown = [n for n in names if n not in {x.name for x in suite.ablations}]
         if unknown:
             ap.error(f"--only: unknown ablation(s) {unknown}; choose from {[x.name for x in suite.ablations]}")
+        if not names:
+            ap.error(f"--only: names no ablation ({a.only!r}); choose from {[x.name for x in suite.ablations]}")
         suite.ablations = [x for x in suite.ablations if x.name in names]
-    if a.seeds:
-        suite.seeds = [int(s) for s in a.seeds.split(",") if s.strip()]
+    if a.seeds is not None:
+        suite.seeds = list(int_list(ap, "--seeds", a.seeds))
     if a.launcher is not None:
         suite.launcher = a.launcher or None
-    sweep_dir = Path(a.sweep_dir or suite.sweep_dir)
+    if a.jobs < 1:
+        ap.error(f"--jobs: must be an integer >= 1 (local runs at once), got {a.jobs}")
+    if a.threads < 0:
+        ap.error(f"--threads: must be an integer >= 0 (0 = leave OMP_NUM_THREADS unset), got {a.threads}")
+    sweep_dir = Path(a.sweep_dir or suite.sweep_dir).expanduser()
     sweep_dir = (sweep_dir if sweep_dir.is_absolute() else ROOT / sweep_dir).resolve()
+    writable_dir(ap, "--sweep-dir", sweep_dir)
 
     try:
         jobs = plan(suite, sweep_dir, extra, check_config=not a.no_config_check)

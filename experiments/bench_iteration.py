@@ -203,6 +203,52 @@ def _quiet():
         yield
 
 
+def _writable(ap, flag: str, path: Path) -> None:
+    """``path`` is a directory or can be made one (no file in its way, its first existing parent writable)."""
+    import os
+
+    q = Path(path).expanduser().resolve()
+    while not q.exists() and q != q.parent:
+        q = q.parent
+    if not q.is_dir() or not os.access(q, os.W_OK):
+        ap.error(f"{flag}: {path} cannot be written ({q} {'is a file' if q.is_file() else 'cannot be written'}); "
+                 "give a directory that can be")
+
+
+def check_args(ap, args) -> tuple[list[str], str, list[str]]:
+    """Every argument checked before anything loads (argparse's one-line error, exit 2); returns the settings'
+    names, and the ``--compare`` key and values."""
+    names = [x.strip() for x in args.settings.split(",") if x.strip()]
+    unknown = [n for n in names if n not in SETTINGS]
+    if unknown or not names:
+        ap.error(f"--settings: {'unknown setting ' + repr(unknown[0]) if unknown else 'names no setting'}; choose "
+                 f"from {', '.join(SETTINGS)}")
+    if args.iters < 1:
+        ap.error(f"--iters: must be an integer >= 1 (measured iterations per scheme), got {args.iters}")
+    if args.warmup < 0:
+        ap.error(f"--warmup: must be an integer >= 0, got {args.warmup}")
+    if args.threads < 1:
+        ap.error(f"--threads: must be an integer >= 1 (torch threads), got {args.threads}")
+    if args.memory and not args.compare:
+        ap.error("--memory: needs --compare KEY=V1,V2 (the variants to train, each in its own process)")
+    key, vals = "", []
+    if args.compare is not None:
+        key, eq, text = args.compare.partition("=")
+        vals = [v.strip() for v in text.split(",") if v.strip()]
+        if not eq or not key.strip() or not vals:
+            ap.error(f"--compare: must be KEY=V1,V2 (a config key and its values), got {args.compare!r}")
+        key = key.strip()
+    _writable(ap, "--run-dir", Path(args.run_dir))
+    if args.json:
+        _writable(ap, "--json", Path(args.json).expanduser().resolve().parent)
+    from stepflow.cli import group_options
+
+    schemes = group_options("advantage") or []
+    if args.scheme not in schemes:
+        ap.error(f"--scheme: unknown advantage scheme {args.scheme!r}; choose from {', '.join(schemes)}")
+    return names, key, vals
+
+
 def main(argv=None) -> list[dict]:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--settings", default=",".join(SETTINGS))
@@ -218,29 +264,36 @@ def main(argv=None) -> list[dict]:
                     help="with --compare: each value in its own training process; the per-phase peak resident set")
     ap.add_argument("overrides", nargs="*", help="Hydra overrides added to every setting")
     args = ap.parse_args(argv)
+    names, key, vals = check_args(ap, args)
+    try:
+        return _run(args, names, key, vals)
+    except Exception as e:  # noqa: BLE001 - a setting that does not compose or build: one line (as the CLI's)
+        from stepflow.cli import compose_error, debugging
+
+        if debugging():
+            raise
+        raise SystemExit(f"bench_iteration.py: error: {compose_error(e)}") from None
+
+
+def _run(args, names: list[str], key: str, vals: list[str]) -> list[dict]:
     import torch
 
     torch.set_num_threads(args.threads)
     sys.path.insert(0, str(ROOT / "tests"))
     results = []
-    if args.memory and not args.compare:
-        ap.error("--memory: needs --compare KEY=V1,V2 (the variants to train, each in its own process)")
     if args.compare:
-        key, _, vals = args.compare.partition("=")
         if args.memory:
-            for name in [x.strip() for x in args.settings.split(",") if x.strip()]:
-                print(memory(name, _resolve(SETTINGS[name]) + args.overrides, key, vals.split(","), args.iters,
+            for name in names:
+                print(memory(name, _resolve(SETTINGS[name]) + args.overrides, key, vals, args.iters,
                              args.warmup, Path(args.run_dir), scheme=args.scheme, threads=args.threads), flush=True)
             return results
         with _quiet():
-            for name in [x.strip() for x in args.settings.split(",") if x.strip()]:
-                print(compare(name, _resolve(SETTINGS[name]) + args.overrides, key, vals.split(","), args.iters, args.warmup,
+            for name in names:
+                print(compare(name, _resolve(SETTINGS[name]) + args.overrides, key, vals, args.iters, args.warmup,
                               Path(args.run_dir), scheme=args.scheme), flush=True)
         return results
     with _quiet():
-        for name in [s.strip() for s in args.settings.split(",") if s.strip()]:
-            if name not in SETTINGS:
-                ap.error(f"--settings: unknown setting {name!r}; choose from {', '.join(SETTINGS)}")
+        for name in names:
             results.append(bench(name, _resolve(SETTINGS[name]) + args.overrides, args.iters, args.warmup,
                                  Path(args.run_dir)))
             print(table(results[-1:]), flush=True)

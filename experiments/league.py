@@ -409,6 +409,162 @@ ARCHIVED = ("config.yaml", "metrics.csv")  #: what of every finished run the led
 MARKER = "archived.json"  #: written into the ledger's copy: the run finished (its adapter may not be kept)
 
 
+def note(msg: str) -> None:
+    """One line on stderr about the ledger (what was skipped or moved aside, and why)."""
+    print(f"[league] {msg}", file=sys.stderr, flush=True)
+
+
+def text_lines(path: Path) -> list[tuple[int, str]]:
+    """``(line number, text)`` of every line of ``path`` that is UTF-8 text without NUL bytes; each other line is
+    named (file and line) and skipped: what a crash during a write or a disk fault leaves must not stop the league."""
+    out, bad = [], []
+    for i, raw in enumerate(Path(path).read_bytes().splitlines(), 1):
+        try:
+            line = raw.decode("utf-8")
+        except UnicodeDecodeError:
+            bad.append(i)
+            continue
+        if "\x00" in line:
+            bad.append(i)
+            continue
+        out.append((i, line))
+    if bad:
+        note(f"{path}: line{'s' if len(bad) > 1 else ''} {', '.join(map(str, bad[:8]))}"
+             f"{' ...' if len(bad) > 8 else ''} {'are' if len(bad) > 1 else 'is'} not text (a disk fault?); skipped")
+    return out
+
+
+def read_records(path: Path, keys: Sequence[str] = ("phase", "method", "run", "rc", "wall_s")) -> list[dict[str, Any]]:
+    """The JSON records of a ``.jsonl`` file that hold ``keys``; a line that is no such record (a half-written last
+    line after a crash during the append) is named (file and line) and skipped."""
+    out = []
+    for i, line in text_lines(path):
+        if not line.strip():
+            continue
+        try:
+            r = json.loads(line)
+            ok = isinstance(r, dict) and all(k in r for k in keys)
+        except ValueError:
+            ok = False
+        if not ok:
+            note(f"{path}:{i}: not a complete record (a line half-written when a run was stopped?); skipped")
+            continue
+        out.append(r)
+    return out
+
+
+def read_csv_rows(path: Path) -> list[dict[str, str]]:
+    """The rows of a csv file as dicts, reading what it can (:func:`text_lines`; a row that csv cannot split is named
+    and skipped)."""
+    import io
+
+    good = text_lines(path)
+    if not good:
+        return []
+    rows = []
+    header = next(csv.reader([good[0][1]]), [])
+    for i, line in good[1:]:
+        try:
+            values = next(csv.reader(io.StringIO(line)), [])
+        except csv.Error as e:
+            note(f"{path}:{i}: {e}; skipped")
+            continue
+        if values:
+            rows.append(dict(zip(header, values)))
+    return rows
+
+
+def broken_run(run_dir: Path) -> str | None:
+    """Why a run directory (under ``out`` or the ledger's ``runs/``) cannot be used, else None: a ``config.yaml`` that
+    is no YAML mapping of the training groups, a ``metrics.csv`` that is not csv text, a ``checkpoints/last.ckpt``
+    that is empty or no checkpoint (it would be resumed, fail, and be resumed again by every rerun)."""
+    import zipfile
+
+    import yaml
+
+    run_dir = Path(run_dir)
+    cfg = run_dir / "config.yaml"
+    if cfg.is_file():
+        try:
+            c = yaml.safe_load(cfg.read_text())
+        except (yaml.YAMLError, UnicodeDecodeError) as e:
+            mark = getattr(e, "problem_mark", None)
+            where = f"line {mark.line + 1}: {getattr(e, 'problem', '')}" if mark is not None else type(e).__name__
+            return f"{cfg} is not YAML ({where})"
+        if not (isinstance(c, dict) and all(isinstance(c.get(k), dict) for k in ("loop", "train", "eval"))):
+            return f"{cfg} is not a training config (no loop / train / eval groups)"
+    metrics = run_dir / "metrics.csv"
+    if metrics.is_file():
+        data = metrics.read_bytes()
+        try:
+            text = data.decode("utf-8")
+        except UnicodeDecodeError as e:
+            line = data[:e.start].count(b"\n") + 1
+            return f"{metrics} is not text (line {line})"
+        if "\x00" in text:
+            line = text[:text.index("\x00")].count("\n") + 1
+            return f"{metrics} holds NUL bytes (line {line})"
+        try:
+            head = next(csv.reader(text.splitlines()), [])
+            list(csv.reader(text.splitlines()))
+        except csv.Error as e:
+            return f"{metrics} is not csv ({e})"
+        if text.strip() and "iteration" not in head:
+            return f"{metrics} has no iteration column (line 1: {','.join(head)[:80]!r})"
+    ckpt = run_dir / "checkpoints" / "last.ckpt"
+    if ckpt.is_file() and (ckpt.stat().st_size == 0 or not zipfile.is_zipfile(ckpt)):
+        return f"{ckpt} is {'empty' if ckpt.stat().st_size == 0 else 'no checkpoint'}"
+    return None
+
+
+def _live(run_dir: Path) -> bool:
+    """A run holds the directory's lock (its process is alive on this host): never moved."""
+    lock = Path(run_dir) / ".stepflow.lock"
+    if not lock.is_file():
+        return False
+    try:
+        holder = json.loads(lock.read_text() or "{}")
+        os.kill(int(holder["pid"]), 0)
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
+    return True
+
+
+def set_aside(run_dir: Path, why: str) -> Path:
+    """Move a broken run directory to ``<its parent>/.stale/<name>-<time>`` with one line saying which and why (the
+    next invocation reruns the run; nothing is deleted)."""
+    import shutil
+
+    dest = run_dir.parent / ".stale" / f"{run_dir.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    shutil.move(str(run_dir), str(dest))
+    note(f"moved {run_dir} aside to {dest}: {why}; the run will be run again")
+    return dest
+
+
+def quarantine(s: Settings, dry_run: bool = False) -> int:
+    """Every broken run directory (:func:`broken_run`) of the ledger's ``runs/`` and of ``out`` moved aside
+    (:func:`set_aside`), so that the league reads what it can and goes on; ``dry_run``: only named. Returns how
+    many."""
+    roots = [r for r in ((s.ledger / "runs") if s.ledger is not None else None, Path(s.out)) if r is not None]
+    n = 0
+    for root in roots:
+        if not root.is_dir():
+            continue
+        for d in sorted(p for p in root.glob("*/*/*") if p.is_dir() and not p.is_symlink()):
+            if any(part.startswith(".") for part in d.relative_to(root).parts) or _live(d):
+                continue
+            why = broken_run(d)
+            if why is None:
+                continue
+            n += 1
+            if dry_run:
+                note(f"{d} is broken ({why}); a run without --dry-run moves it aside")
+            else:
+                set_aside(d, why)
+    return n
+
+
 def keeps_adapter(phase: str, run: str) -> bool:
     """The ledger keeps the adapter (1 MB) of the table's seed 0 only: the image grids are drawn from it."""
     return phase == "table" and run == "seed=0"
@@ -510,18 +666,17 @@ def ledger_rows(s: Settings, phase: str) -> list[dict[str, Any]]:
     mtime = f.stat().st_mtime
     if f not in _LEDGER_CACHE or _LEDGER_CACHE[f][0] != mtime:
         rows = []
-        with f.open(newline="") as fh:
-            for r in csv.DictReader(fh):
-                try:
-                    row: dict[str, Any] = {"phase": r["phase"], "method": r["method"], "seed": int(r["seed"]),
-                                           "lr": lr_str(float(r["lr"])), "budget": int(r["budget"]),
-                                           "fraction": float(r["fraction"]), "iteration": int(r["iteration"]),
-                                           "nfe": int(r["nfe"]), "seconds": float(r["seconds"]),
-                                           "reward_images": int(r["reward_images"]), "geneval": float(r["geneval"])}
-                    row.update({c: float(r[c]) if r.get(c) not in (None, "") else math.nan for c in CATEGORIES})
-                except (KeyError, TypeError, ValueError):
-                    continue
-                rows.append(row)
+        for r in read_csv_rows(f):  # every row it can read (the lines it cannot are named)
+            try:
+                row: dict[str, Any] = {"phase": r["phase"], "method": r["method"], "seed": int(r["seed"]),
+                                       "lr": lr_str(float(r["lr"])), "budget": int(r["budget"]),
+                                       "fraction": float(r["fraction"]), "iteration": int(r["iteration"]),
+                                       "nfe": int(r["nfe"]), "seconds": float(r["seconds"]),
+                                       "reward_images": int(r["reward_images"]), "geneval": float(r["geneval"])}
+                row.update({c: float(r[c]) if r.get(c) not in (None, "") else math.nan for c in CATEGORIES})
+            except (KeyError, TypeError, ValueError):
+                continue
+            rows.append(row)
         _LEDGER_CACHE[f] = (mtime, rows)
     return [r for r in _LEDGER_CACHE[f][1] if r["phase"] == phase]
 
@@ -597,12 +752,18 @@ def collect(s: Settings, phases: Sequence[str] = ("table", "claims")) -> list[di
             for d in sorted(mdir.iterdir()):
                 if not d.is_dir() or d.name.startswith(".") or not finished(d):
                     continue
-                cfg = yaml.safe_load((d / "config.yaml").read_text()) or {}
-                budget = float(cfg["loop"]["budget"])
-                fractions = cfg["eval"]["at_fractions"]
-                for r in eval_rows(d, budget, fractions):
-                    out.append({"phase": phase, "method": mdir.name, "seed": int(cfg["seed"]),
-                                "lr": lr_str(float(cfg["train"]["lr"])), **r})
+                try:
+                    cfg = yaml.safe_load((d / "config.yaml").read_text()) or {}
+                    budget = float(cfg["loop"]["budget"])
+                    fractions = [float(f) for f in cfg["eval"]["at_fractions"]]
+                    seed, lr = int(cfg["seed"]), lr_str(float(cfg["train"]["lr"]))
+                    evals = eval_rows(d, budget, fractions)
+                except (OSError, KeyError, TypeError, ValueError, csv.Error, yaml.YAMLError) as e:
+                    note(f"{d}: cannot read its config.yaml / metrics.csv ({type(e).__name__}: "
+                         f"{' '.join(str(e).split())[:120]}); left out of the report")
+                    continue
+                for r in evals:
+                    out.append({"phase": phase, "method": mdir.name, "seed": seed, "lr": lr, **r})
         out += [r for r in ledger_rows(s, phase)  # runs measured before the archive: their committed rows
                 if not (s.out / phase / r["method"] / run_name(phase, r["lr"], r["seed"])).exists()]
     return out
@@ -635,6 +796,7 @@ def run_pool(runs: Sequence[Run], jobs: int, env: dict[str, str], prefix: Sequen
     (stepflow checkpoints and exits) and starts no more. With ``s``, each finished run goes to its ledger."""
     from tqdm import tqdm
 
+    jobs = max(1, int(jobs))  # 0 would start nothing and wait for ever
     todo = sorted(runs, key=lambda r: -r.cost)
     live: list[tuple[Run, subprocess.Popen, Any, float]] = []
     codes: list[int] = []
@@ -686,6 +848,41 @@ def run_pool(runs: Sequence[Run], jobs: int, env: dict[str, str], prefix: Sequen
     return codes
 
 
+def check_args(ap: argparse.ArgumentParser, a: argparse.Namespace, s: Settings) -> None:
+    """The command line's values into ``s``, each checked before anything runs (argparse's one-line error)."""
+    try:
+        s.prefix = tuple(shlex.split(a.prefix))
+    except ValueError as e:
+        ap.error(f"--prefix: cannot split {a.prefix!r} into a command ({e}); close its quotes")
+    if a.methods is not None:
+        names = tuple(n.strip() for n in a.methods.split(",") if n.strip())
+        known = {m.name for m in METHODS}
+        bad = [n for n in names if n not in known]
+        if bad:
+            ap.error(f"--methods: unknown {bad}; choose from {sorted(known)}")
+        if not names:
+            ap.error(f"--methods: names no method ({a.methods!r}); give comma-separated names, e.g. default,nft")
+        dup = sorted({n for n in names if names.count(n) > 1})
+        if dup:
+            ap.error(f"--methods: {dup[0]} is given twice (its runs would share one run dir); name each method once")
+        s.methods = names
+    if a.seeds is not None:
+        s.seeds = ablations.int_list(ap, "--seeds", a.seeds)
+    if a.budget is not None:
+        if not (math.isfinite(a.budget) and a.budget * s.grid_budget_fraction >= 1):
+            ap.error(f"--budget: must be a finite number of forward-equivalent NFEs >= {1 / s.grid_budget_fraction:g} "
+                     f"(the grid runs to {s.grid_budget_fraction:g} of it), got {a.budget}")
+        s.budget = a.budget
+    if a.jobs < 1:
+        ap.error(f"--jobs: must be an integer >= 1 (runs at once), got {a.jobs}")
+    s.claims = s.claims and not a.no_claims
+    s.grid = s.grid and not a.no_grid
+    if a.out:
+        s.out = ablations.writable_dir(ap, "--out", Path(a.out).expanduser().resolve())
+    if a.docs:
+        ablations.writable_dir(ap, "--docs", Path(a.docs).expanduser().resolve())
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv, extra = ablations.split_overrides(argv)
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0],
@@ -716,27 +913,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if a.scale == "paper":
         s.budget, s.out = PAPER_BUDGET, s.out.parent / f"{s.out.name}_paper"
         extra = [*PAPER_EXTRA, *extra]
-    s.prefix = tuple(shlex.split(a.prefix))
-    if a.methods:
-        names = tuple(n.strip() for n in a.methods.split(",") if n.strip())
-        known = {m.name for m in METHODS}
-        bad = [n for n in names if n not in known]
-        if bad:
-            ap.error(f"--methods: unknown {bad}; choose from {sorted(known)}")
-        s.methods = names
-    if a.seeds:
-        s.seeds = tuple(int(x) for x in a.seeds.split(",") if x.strip())
-    if a.budget is not None:
-        if not a.budget > 0:
-            ap.error(f"--budget: must be > 0 forward-equivalent NFEs, got {a.budget}")
-        s.budget = a.budget
-    s.claims = s.claims and not a.no_claims
-    s.grid = s.grid and not a.no_grid
-    if a.out:
-        s.out = Path(a.out).resolve()
+    check_args(ap, a, s)
     s.extra = tuple(extra)
     docs = Path(a.docs).resolve() if a.docs else (DOCS if not (a.quick or a.out or a.scale == "paper") else s.out / "report")
     s.ledger = docs
+    quarantine(s, dry_run=a.dry_run)  # broken run dirs (ledger and out) moved aside: the league goes on
 
     if not a.report:
         phases = ["base", "grid", "table", "claims"] if a.phase == "all" else [a.phase]

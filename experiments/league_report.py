@@ -392,7 +392,6 @@ def league_cost(s, rows: Sequence[dict[str, Any]] = ()) -> dict[str, dict[str, f
     attempt of a run whose last record exited 0) and, for the runs of ``rows`` (results.csv / lr_grid.csv rows) that
     finished before it recorded them, an estimate: their training seconds (the largest ``seconds`` of their rows)
     times the median ratio of wall to training seconds over the runs that have both (``estimated`` counts them)."""
-    import json
     import statistics
 
     import league
@@ -400,12 +399,13 @@ def league_cost(s, rows: Sequence[dict[str, Any]] = ()) -> dict[str, dict[str, f
     f = (s.out if getattr(s, "ledger", None) is None else s.ledger) / "runs.jsonl"
     last: dict[tuple, dict] = {}
     total: dict[tuple, float] = defaultdict(float)
-    for line in (f.read_text().splitlines() if f.is_file() else []):
-        if line.strip():
-            r = json.loads(line)
-            key = (r["phase"], r["method"], r["run"])
-            total[key] += float(r["wall_s"])  # an interrupted and resumed run: every attempt counts
-            last[key] = r
+    for r in (league.read_records(f) if f.is_file() else []):  # the lines it cannot read are named and skipped
+        try:
+            key, wall_s = (r["phase"], r["method"], r["run"]), float(r["wall_s"])
+        except (TypeError, ValueError):
+            continue
+        total[key] += wall_s  # an interrupted and resumed run: every attempt counts
+        last[key] = r
     wall = {key: total[key] for key, r in last.items() if r["rc"] == 0}
     train: dict[tuple, float] = defaultdict(float)
     for r in rows:

@@ -155,7 +155,7 @@ def run_finished(run_dir: str | Path, iterations: int | None = None) -> bool:
             return False
     try:
         last = final_eval_iteration(read_metrics(metrics))
-    except (OSError, csv.Error):
+    except (OSError, csv.Error, ValueError):  # not text (UnicodeDecodeError): not a finished run
         return False
     return last is not None and last >= iterations
 

@@ -442,6 +442,12 @@ def compose_error(e: BaseException) -> str:
         if re.search(r"of type '\w+' is incompatible with type hint 'Union\[int, float\]'", msg):
             val = re.search(r"Value '(.*)' of type", msg)
             return f"{k}: {val.group(1) if val else 'the value'!r} is not a number; give {k}=<number>"
+        listy = re.search(r"Invalid value assigned: (\w+) is not a ListConfig, list or tuple", msg)
+        if listy:  # a list field given one value: the override's own value, when the chain has it
+            given = next((re.search(r"override \S+?=(.+)$", m) for m in chain if re.search(r"override \S+?=", m)),
+                         None)
+            got = f"{given.group(1)!r} ({listy.group(1)})" if given else f"a {listy.group(1)}"
+            return f"{k}: must be a list, got {got}; give {k}=[{given.group(1) if given else '...'}] (in brackets)"
         unknown = re.search(r"Key '(.+?)' not in '(\w+)'", msg)
         if unknown:
             return f"{k}: unknown key ({unknown.group(2)} has no field {unknown.group(1)!r}); check the spelling"

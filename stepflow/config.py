@@ -597,6 +597,11 @@ class PretrainConfig:
         for name in ("out_dir", "finalize_only", "resume", "export_dir"):
             _path(name, getattr(self, name))
         _flag("export", self.export)
+        _need(not (self.export and isinstance(self.select, PretrainSelectConfig) and not self.select.enabled),
+              "export: exports the checkpoint the selection picks, and select.enabled=false picks none; set "
+              "select.enabled=true or export=false")
+        _need(not (self.finalize_only and self.resume), "finalize_only: only re-scores and selects a finished run's "
+              "checkpoints, so resume would be ignored; give one of finalize_only / resume")
 
 
 # ------------------------------------------------------------------------------------------------ evaluate
@@ -677,6 +682,10 @@ class Limits:
     def __post_init__(self) -> None:
         for f in fields(Limits):
             setattr(self, f.name, check_limit(f.name, getattr(self, f.name)))
+        if self.max_request_pixels < self.max_image_pixels:
+            raise StepflowError(f"max_request_pixels: must be >= max_image_pixels={self.max_image_pixels} (one image's "
+                                f"limit), got {self.max_request_pixels}: a request of one image the server takes "
+                                "would be refused; raise max_request_pixels or lower max_image_pixels")
 
     @property
     def max_body(self) -> int:

@@ -118,10 +118,10 @@ def evaluate(cfg: DictConfig | EvaluateConfig, out_dir: str | Path) -> dict[str,
     """Run the evaluation described by ``cfg`` and write its outputs to ``out_dir``; returns the table."""
     from stepflow.core.heldout import evaluate_geneval, format_table, save_category_grids
     from stepflow.rewards.shapes_geneval import judge_batch
+    from stepflow.rundir import writable_dir
 
     cfg = settings(cfg)  # every setting checked before anything is written or loaded
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    out = writable_dir(out_dir, "out_dir")
     if cfg.torch_threads:
         torch.set_num_threads(cfg.torch_threads)
     s = cfg.sampler

@@ -341,8 +341,11 @@ def run(cfg) -> dict[str, Any]:
     if not cfg.out_dir:
         raise StepflowError("out_dir: the run's directory is needed (the CLI gives its Hydra run dir); give "
                             "out_dir=<dir>")
-    out = Path(cfg.out_dir).resolve()
-    out.mkdir(parents=True, exist_ok=True)
+    from stepflow.rundir import writable_dir
+
+    out = writable_dir(Path(cfg.out_dir).resolve(), "out_dir")
+    if cfg.export:
+        writable_dir(Path(cfg.export_dir) if cfg.export_dir else _asset_dir(), "export_dir")
     pl.seed_everything(cfg.seed, workers=True)
     if cfg.torch_threads:
         torch.set_num_threads(cfg.torch_threads)
@@ -351,8 +354,10 @@ def run(cfg) -> dict[str, Any]:
     module = PretrainModule(arch=asdict(cfg.arch), optim=asdict(cfg.optim), objective=asdict(cfg.objective),
                             ema=asdict(cfg.ema), evaluation=asdict(cfg.eval), max_steps=tcfg.max_steps, vocab=vocab,
                             max_length=longest + 1, out_dir=str(out))
+    if cfg.resume:
+        _check_resume(cfg.resume, module)
     if cfg.resume and (out / "evals.jsonl").is_file():
-        module.time_offset = float(read_history(out)[-1]["train_time_s"])
+        module.time_offset = float(read_history(out, "resume")[-1]["train_time_s"])
     n_params = module.policy.num_parameters()
     log.info("ShapesPolicy: %s parameters; vocab %d words; max_length %d", n_params, len(vocab), longest + 1)
     # a resumed run continues with fresh data (the stream's seed includes the step it resumes from)
@@ -389,12 +394,60 @@ def run(cfg) -> dict[str, Any]:
     return summary
 
 
-def read_history(run_dir: str | Path) -> list[dict[str, Any]]:
-    """The periodic evaluations of a pretraining run (``evals.jsonl``)."""
+#: what every record of ``evals.jsonl`` holds (what selection, export and a resume read)
+HISTORY_KEYS = ("step", "geneval", "path", "train_time_s")
+
+
+def read_history(run_dir: str | Path, field: str = "finalize_only") -> list[dict[str, Any]]:
+    """The periodic evaluations of a pretraining run (``evals.jsonl``), read as far as they go: a line that is no
+    complete record (a crash during the append leaves a half-written last one) is named (file and line) and skipped;
+    a file without any record is one line naming ``field``."""
+    from stepflow.errors import StepflowError
+
     f = Path(run_dir) / "evals.jsonl"
     if not f.is_file():
-        raise FileNotFoundError(f"finalize_only: {f} not found (not a stepflow.pretrain run dir?)")
-    return [json.loads(line) for line in f.read_text().splitlines() if line.strip()]
+        raise StepflowError(f"{field}: {f} not found (not a stepflow.pretrain run dir?); give the run dir of a "
+                            "pretraining run that evaluated (eval.every_n_steps > 0)")
+    rows, bad = [], []
+    for i, line in enumerate(f.read_bytes().decode("utf-8", "replace").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            r = json.loads(line)
+        except ValueError:
+            r = None
+        if isinstance(r, dict) and all(k in r for k in HISTORY_KEYS):
+            rows.append(r)
+        else:
+            bad.append(i)
+    if bad:
+        log.warning("%s: line%s %s %s no complete evaluation record (%s); skipped", f, "s" if len(bad) > 1 else "",
+                    ", ".join(map(str, bad[:8])), "are" if len(bad) > 1 else "is", ", ".join(HISTORY_KEYS))
+    if not rows:
+        what = "is empty" if not f.read_text(errors="replace").strip() else "holds no complete evaluation record"
+        raise StepflowError(f"{field}: {f} {what} (the run evaluated nothing, or stopped while writing it); give the "
+                            "run dir of a pretraining run that evaluated (eval.every_n_steps > 0)")
+    return rows
+
+
+def _asset_dir() -> Path:
+    from stepflow.policies.shapes import default_asset_dir
+
+    return Path(default_asset_dir())
+
+
+def _check_resume(path: str, module) -> None:
+    """``resume`` is a checkpoint of this pretraining run's model (not a stepflow.train run's, not another
+    architecture's), checked before Lightning loads it (one line naming ``resume``)."""
+    from stepflow.errors import StepflowError
+    from stepflow.shell.checkpoint import check_compatible, safe_load
+
+    ck = safe_load(path, "resume", fix="point it at <pretrain run dir>/checkpoints/last.ckpt")
+    if isinstance(ck, dict) and "stepflow" in ck:
+        raise StepflowError(f"resume: {path} is a stepflow.train checkpoint (a GRPO run's), not a stepflow.pretrain "
+                            "one; give <pretrain run dir>/checkpoints/last.ckpt (a GRPO run resumes with "
+                            "python -m stepflow.train ckpt_path=...)")
+    check_compatible(ck, module.state_dict(), path, field="resume")
 
 
 def finalize(cfg, out: Path, history: list[dict[str, Any]], steps: int, train_time: float,
@@ -411,6 +464,9 @@ def finalize(cfg, out: Path, history: list[dict[str, Any]], steps: int, train_ti
     s, e = cfg.select, cfg.eval
     summary: dict[str, Any] = {}
     if not history or not s.enabled:
+        if cfg.export:
+            log.warning("export=true: nothing was exported (%s)", "select.enabled=false selects no checkpoint"
+                        if not s.enabled else "the run has no evaluation to select from")
         return summary
     recs = balanced_subset(load_prompts(e.split), s.rescore_max_prompts)
     margin = s.rescore_margin
@@ -427,7 +483,8 @@ def finalize(cfg, out: Path, history: list[dict[str, Any]], steps: int, train_ti
     summary["full_evals"] = rows
     best = select_checkpoint(rows, s.target, s.low, s.high, s.min_category, tolerance=s.tolerance)
     if best is None:
-        log.warning("no checkpoint satisfies the selection window %s; nothing selected", asdict(s))
+        log.warning("no checkpoint satisfies the selection window %s; nothing selected%s", asdict(s),
+                    ", so export=true exported nothing" if cfg.export else "")
         return summary
     sel = out / "selected"
     if sel.exists():
@@ -454,8 +511,9 @@ def finalize(cfg, out: Path, history: list[dict[str, Any]], steps: int, train_ti
     card_cfg["vocab_size"] = len(cfg_json["vocab"])
     write_card(sel / "README.md", card_cfg, best, history, n_params, extra)
     if cfg.export:
-        dest = Path(cfg.export_dir) if cfg.export_dir else default_asset_dir()
-        dest.mkdir(parents=True, exist_ok=True)
+        from stepflow.rundir import writable_dir
+
+        dest = writable_dir(Path(cfg.export_dir) if cfg.export_dir else default_asset_dir(), "export_dir")
         for f in ("config.json", "model.safetensors", "README.md"):
             shutil.copy2(sel / f, dest / f)
         summary["exported_to"] = str(dest)

@@ -13,7 +13,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from stepflow.errors import StepflowError
 
-__all__ = ["run_lock", "acquire", "release", "RunDirCallback", "check_resume", "global_rank", "LOCK_NAME", "RESUMABLE"]
+__all__ = ["run_lock", "writable_dir", "acquire", "release", "RunDirCallback", "check_resume", "global_rank", "LOCK_NAME", "RESUMABLE"]
 
 LOCK_NAME = ".stepflow.lock"
 
@@ -123,6 +123,10 @@ class RunDirCallback(_Callback):
         except OSError as e:
             fail(f"{key}: cannot create {d} ({e.strerror or type(e).__name__}: {e.filename or d}); give a directory "
                  f"that can be written, {key}=<dir>")
+        try:  # a read-only directory: one line here, not the traceback of Hydra's log file handler
+            writable_dir(d, key)
+        except StepflowError as e:
+            fail(str(e))
         return d
 
     def on_multirun_start(self, config: DictConfig, **kwargs) -> None:
@@ -141,6 +145,24 @@ class RunDirCallback(_Callback):
                 atexit.register(release, run_dir)
         except StepflowError as e:
             fail(str(e))
+
+
+def writable_dir(path, field: str) -> Path:
+    """``path`` made a directory that this process can write into (a probe file written and removed: a read-only
+    directory or file system stops even root here), or one line naming ``field`` and the fix."""
+    import tempfile
+
+    d = Path(str(path)).expanduser()
+    try:
+        d.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=d):
+            pass
+    except OSError as e:
+        why = "a file is in its way" if isinstance(e, (FileExistsError, NotADirectoryError)) else (
+            e.strerror or type(e).__name__)
+        raise StepflowError(f"{field}: cannot write into {d} ({why}: {e.filename or d}); give a directory that can be "
+                            f"written, {field}=<dir>") from None
+    return d
 
 
 def _flat(d, prefix: str = "") -> dict:

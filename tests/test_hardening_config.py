@@ -210,8 +210,9 @@ def test_a_non_finite_gradient_is_never_stepped_into_the_weights():
 
 
 def test_a_run_whose_loss_turns_non_finite_stops_before_saving_it(tmp_path, monkeypatch):
-    """From the second optimizer step on the loss is NaN (as an fp16 overflow makes it): the run stops with one line,
-    last.ckpt holds the last finished iteration with finite weights, and no adapter is written."""
+    """From the second optimizer step on the loss is NaN (as an fp16 overflow makes it): the run stops with one line
+    naming the term and what feeds it (before the gradient is even looked at), last.ckpt holds the last finished
+    iteration with finite weights, and no adapter is written."""
     import stepflow.core.update as core_update  # the update's own module: its step_loss is the one it calls
     from stepflow.errors import NonFiniteUpdate
     from stepflow.train import run
@@ -225,7 +226,9 @@ def test_a_run_whose_loss_turns_non_finite_stops_before_saving_it(tmp_path, monk
         return out
 
     monkeypatch.setattr(core_update, "step_loss", poisoned)
-    with pytest.raises(NonFiniteUpdate, match=r"^train: the gradient of optimizer step 2 is not finite"):
+    with pytest.raises(NonFiniteUpdate, match=r"^train: the loss of optimizer step 2 is not finite \(train/loss = nan "
+                                              r"in term \d+ of objective=grpo\), so the run stopped before the step.*"
+                                              r"loss is fed by train\.lr, train\.clip_eps, train\.beta_kl"):
         run(compose_config("train", ["experiment=smoke", "loop.iterations=6", "eval.max_prompts=2",
                                      "train.drop_zero_adv=false"]), tmp_path)  # a step every iteration
     ck = torch.load(tmp_path / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)

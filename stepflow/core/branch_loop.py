@@ -125,7 +125,8 @@ def branch_advantages(learner, rewards: Tensor, group_ids: Tensor, it: int, trai
     n = int(dropped.sum())
     if n > learner.loop.max_nonfinite_frac * b:
         raise NonFiniteRewardsError(f"{n} of {b} samples of iteration {it} have a NaN / inf branch reward (more than "
-                                    f"loop.max_nonfinite_frac={learner.loop.max_nonfinite_frac}); check the reward")
+                                    f"loop.max_nonfinite_frac={learner.loop.max_nonfinite_frac}); check the reward "
+                                    f"({_describe(learner.reward)})")
     adv = torch.zeros(rewards.shape[:3], dtype=torch.float32)
     stats: dict[str, float] = {}
     keep = ~dropped
@@ -135,3 +136,9 @@ def branch_advantages(learner, rewards: Tensor, group_ids: Tensor, it: int, trai
     for s, k in enumerate(trained):
         stats[f"adv_abs_mean_step{k}"] = float(absm[s])
     return adv, dropped, stats
+
+
+def _describe(reward) -> str:
+    """The reward in a message (:meth:`stepflow.rewards.base.Reward.describe`; a plain callable: its type)."""
+    describe = getattr(reward, "describe", None)
+    return describe() if callable(describe) else f"reward {type(reward).__name__}"

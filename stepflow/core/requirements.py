@@ -108,6 +108,47 @@ def _window_not_from_zero(s) -> bool:
     return bool(cand) and cand != list(range(len(cand)))
 
 
+def _window_from_zero_message(s) -> str:
+    name = s.advantage.name
+    if 0 in noise_free_steps(s):  # no window or step list can start the trained steps at 0: the sampler must
+        return (f"sampler={s.sampler.describe()}: advantage={name} trains an SDE window that starts at step 0 "
+                f"(TurningPoint-GRPO's sde_window_range (0, n)), but step 0 carries no noise under this sampler, so "
+                f"no window can start there; choose a sampler (or a setting of it) whose step 0 is noisy, "
+                "e.g. sampler=flow_sde")
+    return (f"advantage={name}: the trained steps must be a window that starts at step 0 (TurningPoint-GRPO's "
+            f"sde_window_range (0, n)), got {candidate_steps(s)}; use window=fixed window.start=0 or "
+            "train.train_steps=null")
+
+
+def _same_latent(s) -> bool:
+    """Whether a group shares its initial noise (the objective's own ``same_latent``, else ``loop.same_latent``)."""
+    own = getattr(s.objective, "same_latent", None)
+    return bool(s.loop.same_latent if own is None else own)
+
+
+def _identical_groups(s) -> bool:
+    """A group's samples are one sample repeated: shared initial noise and a sampler that adds none at any step
+    (the window's steps follow the sampler too). Rollout-only runs are left to WARN."""
+    if not _same_latent(s) or (s.objective.needs_density and not s.sampler.has_density):
+        return False
+    return len(noise_free_steps(s)) == s.loop.num_steps
+
+
+def _identical_message(s) -> str:
+    field = "objective.same_latent" if getattr(s.objective, "same_latent", None) is not None else "loop.same_latent"
+    by = ("objective.rollout_sampler=" + str(s.objective.rollout_sampler)
+          if getattr(s.objective, "rollout_sampler", None) else f"sampler={s.sampler.describe()}")
+    return (f"{field}=true: every sample of a group starts from the same noise and {by} adds none at any step, so "
+            f"the group's samples are identical, every advantage is 0 and objective={s.objective.name} learns nothing "
+            f"(train/grad_norm 0); set {field}=false (each sample its own noise) or use a stochastic sampler (e.g. sampler=flow_sde)")
+
+
+def _default_fractions() -> list[float]:
+    from stepflow.config import EvalConfig
+
+    return list(EvalConfig().at_fractions)
+
+
 def _retain_why_not(s) -> str | None:
     """``loop.retain_graph=true`` where the update cannot train from the rollout's graphs (:func:`stepflow.core.retain.
     why_not`, retain's own table of reasons)."""
@@ -170,10 +211,7 @@ ROWS: list[Row] = [
     ("branches: an SDE", lambda s: _branched(s) and not s.sampler.has_density,
      lambda s: f"sampler={s.sampler.name}: advantage={s.advantage.name} {_BRANCH}, drawn by the sampler's SDE; use "
                "sampler=flow_sde (TempFlow-GRPO, Granular-GRPO) or another SDE"),
-    ("window from step 0", _window_not_from_zero,
-     lambda s: f"advantage={s.advantage.name}: the trained steps must be a window that starts at step 0 "
-               f"(TurningPoint-GRPO's sde_window_range (0, n)), got {candidate_steps(s)}; use window=fixed "
-               "window.start=0 or train.train_steps=null"),
+    ("window from step 0", _window_not_from_zero, _window_from_zero_message),
     ("sharded: whole per-step gradients", lambda s: s.strategy in ("fsdp", "deepspeed") and _per_step(s),
      lambda s: f"train.weighting={s.train.weighting}: combines whole per-step gradients, which trainer={s.strategy} "
                "shards; use trainer=ddp (or ddp_cpu) for it, or another train.weighting"),
@@ -187,6 +225,11 @@ WARN: list[tuple[Callable[[Any], bool], Callable[[Any], str]]] = [
      lambda s: f"sampler={s.sampler.name} has no density: this run rolls out and scores, and trains nothing "
                "(train/steps_trained=0); use a stochastic sampler (ddim_sde, flow_sde, cps) to train, or an objective "
                "without log-probs (objective=nft, awm, advantageflow, distill)"),
+    (_identical_groups, _identical_message),
+    (lambda s: s.loop.budget is None and list(s.eval.at_fractions) != _default_fractions(),
+     lambda s: f"eval.at_fractions={list(s.eval.at_fractions)}: evaluates at fractions of loop.budget, which this run "
+               "does not set (loop.budget=null), so it does nothing; set loop.budget=<NFEs, or '<N>s'> or use "
+               "eval.every"),
     (lambda s: _branched(s) and s.loop.overlap_reward,
      lambda s: f"loop.overlap_reward: does not apply to advantage={s.advantage.name} (one reward call for every "
                "branch image)"),

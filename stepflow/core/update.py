@@ -23,7 +23,7 @@ from stepflow.errors import NonFiniteUpdate
 #: a :class:`stepflow.core.algorithm.Learner` (not imported here: the iteration imports this module)
 Learner = Any
 
-__all__ = ["update", "step_loss", "step_gradients", "subset_steps", "steps_per_sample", "clip_and_step", "TermPlan",
+__all__ = ["update", "check_finite_loss", "step_loss", "step_gradients", "subset_steps", "steps_per_sample", "clip_and_step", "TermPlan",
            "OptStep", "Work", "plan_update", "optimizer_steps", "lockstep_pads"]
 
 
@@ -45,11 +45,14 @@ def update(learner: Learner, traj: Trajectory, adv: Tensor, x0_hat: Tensor | Non
     times, params = traj.times.to(pol.device), list(pol.trainable_parameters())
     stats = _Stats()  # row-weighted sums, detached 0-d tensors: no host sync until the end of the update
     pending: list[Tensor] | None = [] if traj.kept is not None else None  # loop.retain_graph: the weighted losses
+    watch: list[tuple[int, dict[str, Tensor]]] = []  # this optimizer step's terms (loss, diagnostics): finite?
     pol.train()
 
     def run(item: Work) -> None:  # one term over its micro-batches, then its lockstep pads (loss weight 0)
         for i, (mb, real) in enumerate(item.batches):
             out = step_loss(learner, traj, adv, item.k, mb, times, x0_hat)
+            if real:
+                watch.append((item.k, {n: v.detach() for n, v in out.items() if isinstance(v, Tensor)}))
             # each term is a mean over its rows: weighted, the step's loss is the mean over all rows of the optimizer
             # step on all ranks (gradients are then summed over ranks: grad_scale undoes a strategy's mean)
             w = item.scale * len(mb) / item.n_global * dist.grad_scale if real else 0.0
@@ -63,6 +66,7 @@ def update(learner: Learner, traj: Trajectory, adv: Tensor, x0_hat: Tensor | Non
 
     for step in optimizer_steps(plan, dist):
         learner.optimizer.zero_grad(set_to_none=True)
+        watch.clear()
         if step.work is None:  # train.weighting=grad_rms / auto: every step's gradient apart, then combined
             learner.weighting.combine(learner, plan.terms, step.rows, step.n_global, step.mbs, groups,
                                       lambda k, mbs, s=step: run(s.item(k, mbs)), params, stats.plain, measure)
@@ -73,6 +77,7 @@ def update(learner: Learner, traj: Trajectory, adv: Tensor, x0_hat: Tensor | Non
         if pending:  # the kept graphs: one backward of every term's weighted loss
             learner.backward(torch.stack(pending).sum())
             pending.clear()
+        check_finite_loss(learner, watch)
         dist.all_reduce_grads(params)
         norm = clip_and_step(learner, params, learner.train.max_grad_norm)
         if norm is not None:
@@ -384,10 +389,38 @@ def _check_finite_grad(learner: Learner, norm: Tensor, taken: bool) -> None:
         return
     when = ("DeepSpeed's optimizer step has taken it; nothing was saved after it" if taken
             else "the optimizer step was not taken")
+    obj = getattr(learner, "objective", None)
+    own = [f for f in (obj.fields_of("loss") if obj is not None else ()) if f != "train.lr"]
+    fed = f", or the objective's settings ({', '.join(own)}, objective={obj.name})" if own else ""
     raise NonFiniteUpdate(
         f"train: the gradient of optimizer step {learner.opt_steps + 1} is not finite (norm {float(norm)}), so the run "
         f"stopped: {when}, and checkpoints/last.ckpt holds the last finished iteration; lower train.lr, check the "
-        "reward (train/nonfinite_rewards) or clip harder (train.max_grad_norm)")
+        f"reward (train/nonfinite_rewards) or clip harder (train.max_grad_norm){fed}")
+
+
+def check_finite_loss(learner: Learner, watch: Sequence[tuple[int, dict[str, Tensor]]]) -> None:
+    """Stop before the optimizer step when a term's loss of this step is inf / nan on any rank (a loss that
+    overflows can leave a finite, even zero, gradient: the run would go on training nothing). ``watch``: (term, the
+    term's loss and detached diagnostics) of every micro-batch of the step on this rank. One host sync (and, under
+    several ranks, one collective) per optimizer step. Raises :class:`NonFiniteUpdate` naming the term and the
+    settings that feed it (:meth:`stepflow.objectives.base.Objective.fields_of`)."""
+    losses = [v["loss"].double().reshape(-1) for _, v in watch if "loss" in v]
+    bad = bool(losses) and not bool(torch.isfinite(torch.cat([x.cpu() for x in losses])).all())
+    if not learner.dist.any(bad):
+        return
+    obj = learner.objective
+    k, out = next(((k, v) for k, v in watch if "loss" in v and not bool(torch.isfinite(v["loss"]).all())),
+                  (None, {}))
+    odd = [n for n, v in out.items() if n != "loss" and v.numel() and not bool(torch.isfinite(v).all())]
+    named = [n for n in odd if n in {t for c in type(obj).__mro__ for t in (c.__dict__.get("loss_fields") or {})}]
+    term = named[0] if named else "loss"
+    where = (f"train/{term} = {float(out[term].double().reshape(-1)[0])} in term {k} of objective={obj.name}"
+             if k is not None else f"on another rank, objective={obj.name}")
+    fields = ", ".join(obj.fields_of(term))
+    raise NonFiniteUpdate(
+        f"train: the loss of optimizer step {learner.opt_steps + 1} is not finite ({where}), so the run stopped before "
+        f"the step, and checkpoints/last.ckpt holds the last finished iteration; {term} is fed by {fields}: set "
+        f"{'it' if ',' not in fields else 'them'} back toward the defaults (or lower train.lr)")
 
 
 def step_loss(learner: Learner, traj: Trajectory, adv: Tensor, k: int, rows: Tensor, times: Tensor,

@@ -28,6 +28,35 @@ class BranchCredit(Credit):
                              "leave advantage.reward_source=tweedie (its default)")
         self.branches, self.granularities = branches, gran
 
+    def requirements(self, s) -> list[str]:
+        """Every granularity completes some trained step on its own grid: a stride beyond the ``loop.num_steps`` grid
+        is one jump to the end wherever it branches, the same completion as a smaller stride's, summed twice."""
+        from stepflow.core.branch import completion_grid
+        from stepflow.core.requirements import candidate_steps
+        from stepflow.math.sde import time_grid
+
+        t = s.loop.num_steps
+        grid, steps = time_grid(t, shift=1.0), [k for k in candidate_steps(s) if k < t - 1]
+        if len(self.granularities) < 2 or not steps:
+            return []
+        def completions(g: int) -> tuple:
+            return tuple(tuple(completion_grid(grid, k, g).tolist()) for k in steps)
+
+        distinct: dict[tuple, int] = {}
+        for g in range(1, t):  # the strides that complete the trained steps differently on this grid
+            distinct.setdefault(completions(g), g)
+        seen: dict[tuple, int] = {}
+        for g in sorted(self.granularities):
+            key = completions(g)
+            if key in seen:
+                ok = sorted(distinct.values())
+                return [f"advantage.granularities: stride {g} completes every trained step {steps} of the {t}-step grid "
+                        f"as stride {seen[key]} does (a stride past the steps left is one jump to the end), so the same "
+                        f"completion would be summed twice; on this grid only the strides {ok} differ: choose among "
+                        f"them (e.g. advantage.granularities={ok[:2]}), or train earlier steps / more loop.num_steps"]
+            seen[key] = g
+        return []
+
     def rollout_strategy(self):
         from stepflow.rollouts.branches import BranchRollout
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 from torch import Tensor
@@ -68,6 +68,9 @@ class Objective:
     forward_process = False  #: trains on re-noised final samples (no log-probs; the rollout sampler is free)
     drops_zero_advantage = True  #: rows whose advantages are 0 at every step give no gradient and are skipped
     reads_estimates = False  #: the loss reads x̂0 estimates (of :meth:`states`), so they are computed
+    #: the settings that feed each term of the loss (a key of :meth:`loss`'s output; ``loss``: the total), named when
+    #: that term turns non-finite and the run stops (:mod:`stepflow.core.update`); :meth:`fields_of` reads it
+    loss_fields: ClassVar[dict[str, tuple[str, ...]]] = {"loss": ("train.lr",), "kl": ("train.beta_kl", "train.lr")}
 
     def __init__(self, train: TrainConfig | None = None, rollout_sampler: str | None = None,
                  same_latent: bool | None = None):
@@ -86,6 +89,15 @@ class Objective:
         """The update's settings of the run (``train``)."""
         self.train = train
         return self
+
+    def fields_of(self, term: str) -> tuple[str, ...]:
+        """The settings that feed ``term`` of the loss (:attr:`loss_fields` of the class or a base; a term no class
+        lists: the total's)."""
+        for cls in type(self).__mro__:
+            own = cls.__dict__.get("loss_fields") or {}
+            if term in own:
+                return tuple(own[term])
+        return self.fields_of("loss") if term != "loss" else ("train.lr",)
 
     # ---------------------------------------------------------------- what an iteration needs
     @property

@@ -78,6 +78,10 @@ class Nft(_WithOld):
     per sample."""
 
     name = "nft"
+    loss_fields = {"loss": ("objective.beta", "objective.adv_clip_max", "train.beta_kl"),
+                   "policy_loss": ("objective.beta", "objective.adv_clip_max"),
+                   "unweighted_policy_loss": ("objective.beta",), "positive_loss": ("objective.beta",),
+                   "negative_loss": ("objective.beta",)}
 
     def __init__(self, beta: float = 1.0, adv_mode: str = "all", **fields):
         super().__init__(**fields)
@@ -104,6 +108,7 @@ class AdvantageFlow(_WithOld):
     every sample's loss is strictly convex (A + γ + λ > 0)."""
 
     name = "advantageflow"
+    loss_fields = {"loss": ("objective.gamma", "objective.lam", "objective.adv_clip_max", "train.lr")}
 
     def __init__(self, gamma: float = 1.5, lam: float = 0.0, **fields):
         super().__init__(**fields)
@@ -138,6 +143,10 @@ class Awm(ForwardObjective):
     stratified grid indices in ``[1, int(T·times_frac))`` shared by every row of the update."""
 
     name = "awm"
+    loss_fields = {"loss": ("objective.p", "objective.log_prob", "objective.clip_range", "objective.advantage_max",
+                            "objective.ema_beta", "train.beta_kl"),
+                   "policy_loss": ("objective.p", "objective.log_prob", "objective.clip_range", "objective.advantage_max"),
+                   "ema_kl": ("objective.ema_beta",)}
 
     def __init__(self, num_times: int = 6, times_frac: float = 0.9, log_prob: str = "ghuber", p: float = 0.25,
                  clip_range: float = 1.0, advantage_max: float = 1.0, ema_beta: float = 1.0, kl_ema_decay: float = 0.3,

@@ -20,6 +20,8 @@ class Grpo(Objective):
     ``guard_released`` also divides the step's surrogate by its Δt (GRPO-Guard as released, docs/method.md §12.1)."""
 
     name = "grpo"
+    loss_fields = {"loss": ("train.lr", "train.clip_eps", "train.beta_kl"), "policy_loss": ("train.lr", "train.clip_eps"),
+                   "kl": ("train.beta_kl", "train.kl_mode")}
 
     def loss(self, learner, traj, adv, term, rows, times, x0_hat):
         o, pol, dev, k = self.train, learner.policy, learner.policy.device, term
@@ -55,6 +57,7 @@ class Distill(Objective):
     steps (no density needed); reads the x̂0 of every state k + 2."""
 
     name = "distill"
+    loss_fields = {"loss": ("train.lr", "objective.weight", "objective.temperature")}
     needs_density = False
     drops_zero_advantage = False
     reads_estimates = True

@@ -82,6 +82,30 @@ def check_json_files(folder: Path, field: str, fix: str) -> None:
             raise ModelLoadError(f"{field}: cannot read {f} ({_first_line(e)}); {fix}") from None
 
 
+#: a diffusers class name's model family (a substring of the name -> the family's name in messages)
+FAMILIES = (("StableDiffusion3", "SD3"), ("SD3", "SD3"), ("Flux", "FLUX"), ("QwenImage", "Qwen-Image"))
+
+
+def family(class_name: str) -> str | None:
+    """The model family of a diffusers class name (``SD3Transformer2DModel`` -> ``SD3``); None when unknown."""
+    return next((fam for part, fam in FAMILIES if part in class_name), None)
+
+
+def check_family(file: Path, expected, field: str, what: str) -> None:
+    """The ``_class_name`` diffusers wrote into ``file`` (``model_index.json`` / a transformer's ``config.json``) is
+    of the family of ``expected`` (the class about to load it), else one line naming ``field`` and both families:
+    diffusers' own error (missing and unexpected keys) names neither."""
+    try:
+        found = json.loads(Path(file).read_text(encoding="utf-8")).get("_class_name")
+    except (OSError, ValueError, AttributeError):
+        return
+    mine, theirs = family(expected.__name__), family(str(found or ""))
+    if mine and theirs and mine != theirs:
+        raise ModelLoadError(f"{field}: {file.parent} holds {theirs} weights ({found} in {file.name}), not {what} "
+                             f"({expected.__name__}); point {field} at {what} weights, or choose the model those weights "
+                             f"are (model=... of the {theirs} family)")
+
+
 def load_pipeline(pipeline_cls, path: str, dtype: torch.dtype = torch.bfloat16,
                   vae_dtype: torch.dtype = torch.float32, *, what: str, example_id: str, gated: bool = False,
                   transformer_cls=None, transformer_path: str | None = None, **kwargs: Any):
@@ -104,6 +128,7 @@ def load_pipeline(pipeline_cls, path: str, dtype: torch.dtype = torch.bfloat16,
             raise ModelLoadError(f"model.path: cannot load the {what} model: '{path}' has no model_index.json (not a "
                                  f"diffusers pipeline folder); {fix}")
         check_json_files(local, "model.path", f"the {what} model folder is damaged: {fix}")
+        check_family(local / "model_index.json", pipeline_cls, "model.path", what)
         path = str(local)
     try:
         from diffusers.pipelines import pipeline_utils
@@ -136,6 +161,8 @@ def _load_transformer(cls, path: str, dtype: torch.dtype, dtype_key: str, what: 
         raise ModelLoadError(f"model.transformer_path: cannot load the {what} transformer: '{path}' has no "
                              f"config.json (expected a folder written by save_trained / transformer.save_pretrained)")
     check_json_files(local, "model.transformer_path", fix)
+    if cls is not None:
+        check_family(local / "config.json", cls, "model.transformer_path", what)
     try:
         return cls.from_pretrained(str(local), **{dtype_key: dtype})
     except Exception as err:  # noqa: BLE001

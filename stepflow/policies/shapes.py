@@ -235,13 +235,32 @@ class ShapesPolicy(FlowPolicy):
         """Load ``config.json`` + ``model.safetensors`` from ``path`` (default: the shipped base model)."""
         from safetensors.torch import load_file
 
+        from stepflow.errors import ModelLoadError
+
         path = Path(path) if path is not None else default_asset_dir()
         cfg_file, w_file = path / CONFIG_NAME, path / WEIGHTS_NAME
+        fix = "point model.path at a directory written by ShapesPolicy.save_pretrained (null: the shipped model)"
         if not cfg_file.is_file() or not w_file.is_file():
-            raise FileNotFoundError(f"ShapesPolicy.from_pretrained: {path} must contain {CONFIG_NAME} and {WEIGHTS_NAME}")
-        cfg = ShapesConfig.from_dict(json.loads(cfg_file.read_text()))
+            raise FileNotFoundError(f"model.path: {path} must contain {CONFIG_NAME} and {WEIGHTS_NAME}; {fix}")
+        try:
+            raw = json.loads(cfg_file.read_text())
+        except (ValueError, UnicodeDecodeError) as e:
+            where = f" at line {e.lineno}" if isinstance(e, json.JSONDecodeError) else ""
+            raise ModelLoadError(f"model.path: {cfg_file} is not JSON ({getattr(e, 'msg', e)}{where}); {fix}") from None
+        if not isinstance(raw, dict):
+            raise ModelLoadError(f"model.path: {cfg_file} is not a ShapesPolicy config (a JSON object); {fix}")
+        cfg = ShapesConfig.from_dict(raw)
         policy = cls(cfg)
-        policy.load_state_dict(load_file(str(w_file), device=map_location), strict=True)
+        try:
+            weights = load_file(str(w_file), device=map_location)
+        except Exception as e:  # noqa: BLE001 - safetensors' own error type: a damaged or foreign file
+            raise ModelLoadError(f"model.path: {w_file} cannot be read as safetensors ({type(e).__name__}: "
+                                 f"{' '.join(str(e).split())[:160]}); {fix}") from None
+        try:
+            policy.load_state_dict(weights, strict=True)
+        except RuntimeError as e:
+            raise ModelLoadError(f"model.path: {w_file} does not hold the weights {cfg_file.name} describes "
+                                 f"({' '.join(str(e).split())[:200]}); {fix}") from None
         return policy.eval()
 
     def save_pretrained(self, path: str | os.PathLike, meta: dict[str, Any] | None = None) -> Path:

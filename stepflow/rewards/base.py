@@ -31,6 +31,10 @@ class Reward:
     def score(self, images: Tensor, prompts: Sequence[str], meta: Sequence[dict[str, Any]] | None) -> RewardOut:
         raise NotImplementedError
 
+    def describe(self) -> str:
+        """The reward in a message (``reward=<name>``; a served one adds where it is served)."""
+        return f"reward={self.name}"
+
     @torch.no_grad()
     def __call__(self, images: Tensor, prompts: Sequence[str], meta: Sequence[dict[str, Any]] | None = None) -> RewardOut:
         if images.ndim != 4 or images.shape[1] != 3:

@@ -65,6 +65,9 @@ class MultiReward(Reward):
         self.weights: dict[str, float] = {n: float(weights[n]) for n in names}
         self.mode, self.eps = mode, float(eps)
 
+    def describe(self) -> str:
+        return f"reward={self.name} of " + ", ".join(r.describe() for r in self.rewards.values())
+
     def score(self, images: Tensor, prompts: Sequence[str], meta: Sequence[dict] | None) -> RewardOut:
         comps: dict[str, Tensor] = {}
         weighted = torch.zeros(images.shape[0])

@@ -628,6 +628,9 @@ class RemoteReward(Reward):
                         "%s (classes other than plain data are refused, but pickle is not a safe format): use it "
                         "only with a server you trust", self.name, url)
 
+    def describe(self) -> str:
+        return f"reward={self.name} served at {self.url}"
+
     def _post(self, body: bytes, content_type: str, n: int) -> bytes:
         return post(self.url, body, content_type=content_type, timeout_s=self.timeout_s,
                     max_retries=self.max_retries, backoff_s=self.backoff_s, max_backoff_s=self.max_backoff_s,

@@ -98,7 +98,8 @@ def finite_advantages(learner: Any, rewards: Tensor, group_ids: Tensor, it: int,
         return learner.advantage(rewards, group_ids, steps, trained), dropped
     if n > learner.loop.max_nonfinite_frac * len(rewards):
         raise NonFiniteRewardsError(f"{n} of {len(rewards)} samples of iteration {it} have a NaN / inf reward (more "
-                                    f"than loop.max_nonfinite_frac={learner.loop.max_nonfinite_frac}); check the reward")
+                                    f"than loop.max_nonfinite_frac={learner.loop.max_nonfinite_frac}); check the reward "
+                                    f"({_describe(learner.reward)})")
     keep = ~dropped
     out = learner.advantage(rewards[keep], group_ids[keep], steps, trained)
     full = torch.zeros(len(rewards), steps, dtype=out.advantages.dtype)
@@ -199,3 +200,8 @@ def _retain_metrics(learner: Any, traj: Trajectory, keep: list[int] | None) -> d
         out["mem/retained_gib"] = float(traj.kept_gib)
     return out
 
+
+def _describe(reward) -> str:
+    """The reward in a message (:meth:`stepflow.rewards.base.Reward.describe`; a plain callable: its type)."""
+    describe = getattr(reward, "describe", None)
+    return describe() if callable(describe) else f"reward {type(reward).__name__}"

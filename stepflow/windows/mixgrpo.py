@@ -46,8 +46,9 @@ class MixGrpo(Window):
         if self.post_solver not in POST_SOLVERS:
             raise ValueError(f"post_solver: must be one of {', '.join(POST_SOLVERS)}, got {self.post_solver!r}")
         r = self.post_compress_ratio
-        if not (isinstance(r, (int, float)) and not isinstance(r, bool) and math.isfinite(r) and r > 0):
-            raise ValueError(f"post_compress_ratio: must be a float > 0 (MixGRPO-Flash 0.4, Flash* 0.2), got {r!r}")
+        if not (isinstance(r, (int, float)) and not isinstance(r, bool) and math.isfinite(r) and 0 < r <= 1):
+            raise ValueError(f"post_compress_ratio: must be a float > 0 and at most 1 (the fraction of the steps after the "
+                             f"window that the DPM-Solver tail keeps; MixGRPO-Flash 0.4, Flash* 0.2), got {r!r}")
 
     def steps(self, iteration, num_steps, seed=0):
         return mixgrpo_window(self, iteration, num_steps)
