@@ -182,7 +182,7 @@ def test_the_recipe_composes():
 def test_two_iterations_of_the_recipe_train(tmp_path):
     import csv
 
-    r = run_cli("experiment=league/lc_grpo", "loop.iterations=2", "eval.every=0", "eval.at_start=false",
+    r = run_cli("stepflow.train", "experiment=league/lc_grpo", "loop.iterations=2", "eval.every=0", "eval.at_start=false",
                 "eval.max_prompts=8", f"hydra.run.dir={tmp_path}", timeout=1800)
     assert r.returncode == 0, r.stderr[-3000:]
     rows = [row for row in csv.DictReader((tmp_path / "metrics.csv").open()) if row.get("cost/nfe")]

@@ -282,7 +282,7 @@ def test_refusals_name_the_field(field, value, needle):
 
 @pytest.mark.slow
 def test_refusal_on_the_command_line_is_one_line(tmp_path):
-    r = run_cli("experiment=league/pref_grpo", "advantage.weight=-1", f"hydra.run.dir={tmp_path}")
+    r = run_cli("stepflow.train", "experiment=league/pref_grpo", "advantage.weight=-1", f"hydra.run.dir={tmp_path}")
     err = r.stderr.strip().splitlines()
     assert r.returncode != 0 and len(err) == 1 and "advantage.weight: must be a float > 0" in err[0], r.stderr[-1500:]
 
@@ -310,7 +310,7 @@ def test_one_iteration_trains_with_lora_and_full_finetuning(tmp_path, finetune, 
 def test_two_iterations_of_the_recipe_train(tmp_path):
     import csv
 
-    r = run_cli("experiment=league/pref_grpo", "loop.iterations=2", "eval.every=0", "eval.at_start=false",
+    r = run_cli("stepflow.train", "experiment=league/pref_grpo", "loop.iterations=2", "eval.every=0", "eval.at_start=false",
                 "eval.max_prompts=8", f"hydra.run.dir={tmp_path}", timeout=900)
     assert r.returncode == 0, r.stderr[-3000:]
     rows = [row for row in csv.DictReader((tmp_path / "metrics.csv").open()) if row.get("cost/nfe")]
