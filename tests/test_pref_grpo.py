@@ -219,6 +219,15 @@ def _norm(w):
     return (w - w.mean()) / (w.std() + 1e-8)
 
 
+def test_a_pairwise_judge_refuses_the_overlapped_reward_phase_in_one_line():
+    learner, _, plan = _judge_learner([0.1, 0.2], [0, 0])
+    learner.loop = SimpleNamespace(overlap_reward=True)
+    with pytest.raises(ValueError) as err:
+        PairwiseRollout().collect(learner, plan, SimpleNamespace(it=0), None)
+    assert str(err.value) == ("loop.overlap_reward: a pairwise judge (reward left_brighter) compares the images of a "
+                              "group once the whole rollout exists; set loop.overlap_reward=false")
+
+
 def test_a_pairwise_judges_pairs_split_over_ranks_sum_to_the_one_process_counts(monkeypatch):
     """Rank r judges pairs r, r + world, ...; the counts summed over ranks (all_sum_tensor, here summed by hand) give
     the one-process win rates, and each rank keeps its own rows."""

@@ -109,6 +109,12 @@ class PairwiseRollout(TrajectoryRollout):
 
     name = "pairwise"
 
+    def collect(self, learner, mine, ctx, phases):
+        if getattr(learner.reward, "pairwise", False) and learner.loop.overlap_reward:
+            raise ValueError(f"loop.overlap_reward: a pairwise judge (reward {learner.reward.name}) compares the images "
+                             "of a group once the whole rollout exists; set loop.overlap_reward=false")
+        return super().collect(learner, mine, ctx, phases)
+
     def score(self, learner, col, mine, ctx):
         if not getattr(learner.reward, "pairwise", False):
             return super().score(learner, col, mine, ctx)
