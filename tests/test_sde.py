@@ -332,7 +332,7 @@ def test_bad_sampler_config(kwargs, field):
 def test_unknown_sampler_name_and_field_are_one_line_errors():
     with pytest.raises(ValueError) as err:
         SamplerConfig("euler")
-    assert str(err.value) == ("name: must be one of cps, dance_sde, ddim_sde, dpm2, flow_sde, ode, got 'euler'")
+    assert str(err.value) == ("name: must be one of cps, dance_sde, ddim_sde, dpm2, flow_sde, lc_langevin, ode, got 'euler'")
     with pytest.raises(ValueError) as err:
         SamplerConfig("flow_sde", eta=0.9)
     assert str(err.value) == "eta: sampler=flow_sde takes no field 'eta' (its fields: a, logprob)"

@@ -175,8 +175,10 @@ def test_bad_overrides_give_one_line_errors(tmp_path, cli, args, needle):
                                     "loop.same_latent=false", "train.weighting=noise", "loop.prompts_per_iter=1",
                                     "loop.group_size=8"],  # one group over both ranks
                                    ["advantage=g2rpo", "sampler=flow_sde", "reward=pickscore_tiny", "train.update_per_step=true",
-                                    "train.train_steps=[0,1]"]],
-                         ids=["plain", "auto", "nft", "tempflow", "g2rpo"])
+                                    "train.train_steps=[0,1]"],
+                                   ["advantage=pref_grpo", "sampler=flow_sde", "reward=pickscore_tiny", "loop.prompts_per_iter=1",
+                                    "loop.group_size=8"]],  # win rates over a group on both ranks
+                         ids=["plain", "auto", "nft", "tempflow", "g2rpo", "pref_grpo"])
 def test_ddp_two_processes_matches_one(tmp_path, extra):
     """2-process DDP on the CPU (gloo) gives the same rewards and advantages as 1 process for the same seeds, and
     the same optimizer step (auto: the per-step gradients are RMS-normalised by their global norms; nft: each row's

@@ -25,6 +25,7 @@ import torch
 from torch import Tensor
 
 from stepflow.core.data import seeded_normal
+from stepflow.core.rollout import model_velocity
 from stepflow.math.sde import ode_step, sde_step
 from stepflow.policies.base import Cond, FlowPolicy
 
@@ -124,8 +125,9 @@ def branch_at(policy: FlowPolicy, anchor_latents: Tensor, anchor_velocities: Ten
     v_k = anchor_velocities[:, k].repeat_interleave(num_branches, 0)
     branch_seeds = (seeds.long().view(b, 1) * 1009 + 31 * k + torch.arange(num_branches).view(1, -1)).flatten()
     noise = seeded_normal(branch_seeds, shape, dev)
-    out = sde_step(sampler, x_k, v_k, times[k], times[k + 1], t_guard=times[1], noise=noise)
     rows = cond.repeat(num_branches)
+    out = sde_step(sampler, x_k, v_k, times[k], times[k + 1], t_guard=times[1], noise=noise,
+                   velocity=model_velocity(policy, rows, guidance))
     finals = []
     for g in granularities:
         finals.append(complete(policy, out.next, times[k + 1], completion_grid(times, k, g), rows, guidance))

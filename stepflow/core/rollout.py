@@ -27,7 +27,7 @@ from stepflow.rewards.base import Reward
 from stepflow.samplers.base import Sampler
 from stepflow.samplers.ode import Ode
 
-__all__ = ["Trajectory", "Scores", "sampling_grid", "rollout", "estimate_states", "score"]
+__all__ = ["Trajectory", "Scores", "sampling_grid", "rollout", "estimate_states", "score", "model_velocity"]
 
 _ODE = Ode()  #: the step outside the SDE window
 
@@ -141,6 +141,17 @@ def sampling_grid(policy: FlowPolicy, num_steps: int, kind: str = "model", shift
         raise ValueError(f"time_grid: must be one of {', '.join(TIME_GRIDS)}, got {kind!r}")
     return check_time_grid(fastvideo_time_grid(num_steps, float(policy.shift if shift is None else shift)),
                            "loop.time_grid=fastvideo")
+
+
+def model_velocity(policy: FlowPolicy, cond: Cond, guidance: float):
+    """The model as a sampler's ``velocity(z, t, guided=True) -> v`` (:attr:`stepflow.samplers.base.Sampler.nfe_per_step`):
+    the policy's velocity for the rows of ``cond``, under the run's CFG scale ``guidance`` (or none: ``guided`` False),
+    with the weights and the autograd mode in force where the step calls it."""
+
+    def velocity(z: Tensor, t, guided: bool = True) -> Tensor:
+        return policy.velocity(z, t, cond, guidance if guided else 1.0)
+
+    return velocity
 
 
 def _check_tail(tail: Tensor | None, sde_steps: list[int] | None, depth: int | None, num_steps: int,
@@ -269,7 +280,8 @@ def rollout(policy: FlowPolicy, plan: IterationPlan, sampler: Sampler, num_steps
         else:
             v = policy.velocity(x, times[k], cond, guidance)
         cfg = sampler if sde_steps is None or k in sde_steps else _ODE
-        out = cfg.rollout_step(x, v, k, times, noise=eps[:, k], x0_prev=x0_prev)
+        extra = {"velocity": model_velocity(policy, cond, guidance)} if cfg.nfe_per_step > 1 else {}
+        out = cfg.rollout_step(x, v, k, times, noise=eps[:, k], x0_prev=x0_prev, **extra)
         if sampler.multistep or k == last:
             x0_prev = x0_from_v(x, v, times[k])
         x = out.next

@@ -369,12 +369,21 @@ def ode_step(x: Tensor, v: Tensor, t, t_next, *, prev_sample: Tensor | None = No
 
 
 def sde_step(sampler: Sampler, x: Tensor, v: Tensor, t, t_next, *, t_guard=None, noise: Tensor | None = None,
-             prev_sample: Tensor | None = None, generator: torch.Generator | None = None) -> StepOut:
+             prev_sample: Tensor | None = None, generator: torch.Generator | None = None,
+             velocity=None) -> StepOut:
     """One step of ``sampler`` from ``t`` to ``t_next``: ``sampler.step(...)`` (see the per-sampler functions).
 
     x, v: (B, ...) (promoted to fp32); t, t_next: float, 0-d or (B,) tensors; ``t_guard`` = τ_1 of the grid.
     If ``prev_sample`` is given it becomes ``next`` and the log-prob is evaluated at it (recomputing log π_θ with
     gradients through ``v``); otherwise ``next = mean + std·noise`` (``noise ~ N(0, I)`` from ``generator`` if None).
     A multistep sampler (dpm2) takes its one-step form here (Euler); its rollout is :func:`stepflow.core.rollout.rollout`.
+    ``velocity``: the model as ``velocity(z, t, guided=True) -> v``, for a sampler whose step evaluates it again
+    (``sampler.nfe_per_step > 1``, e.g. lc_langevin's corrector; required there, not passed to the others).
     """
-    return sampler.step(x, v, t, t_next, t_guard=t_guard, noise=noise, prev_sample=prev_sample, generator=generator)
+    if getattr(sampler, "nfe_per_step", 1) <= 1:
+        return sampler.step(x, v, t, t_next, t_guard=t_guard, noise=noise, prev_sample=prev_sample, generator=generator)
+    if velocity is None:
+        raise ValueError(f"velocity: sampler={sampler.name} evaluates the model {sampler.nfe_per_step} times a step; "
+                         "pass velocity=(z, t, guided=True) -> v")
+    return sampler.step(x, v, t, t_next, t_guard=t_guard, noise=noise, prev_sample=prev_sample, generator=generator,
+                        velocity=velocity)

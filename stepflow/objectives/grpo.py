@@ -7,6 +7,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from stepflow.core.rollout import model_velocity
 from stepflow.math.loss import distill_loss, guard_log_ratio, policy_loss
 from stepflow.math.sde import sde_step
 from stepflow.objectives.base import Objective, need, policy_velocity
@@ -29,15 +30,17 @@ class Grpo(Objective):
         cond = traj.cond.index(rows).to(dev)
         t, t_next = times[k], times[k + 1]
         x_next = traj.latents[rows, k + 1].to(dev)
+        vel = model_velocity(pol, cond, learner.guidance)  # a predictor-corrector step's own evaluations (lc_langevin)
         ref_mean = None
         if o.beta_kl > 0:  # before the policy's forward: FSDP2 must not run a module forward between a forward
             # with autograd and its backward (the no-grad forward reshards what the backward needs)
             with torch.no_grad(), pol.reference():  # π_ref: the LoRA disabled, or the frozen initial transformer
                 v_ref = pol.velocity(x_k, t, cond, learner.guidance)
-                ref_mean = sde_step(learner.sampler, x_k, v_ref, t, t_next, t_guard=times[1], prev_sample=x_next).mean
+                ref_mean = sde_step(learner.sampler, x_k, v_ref, t, t_next, t_guard=times[1], prev_sample=x_next,
+                                    velocity=vel).mean
         v = policy_velocity(learner, traj, k, rows, x_k, t, cond)  # kept by the rollout, or recomputed
         a = adv[rows, k].to(dev)
-        out = sde_step(learner.sampler, x_k, v, t, t_next, t_guard=times[1], prev_sample=x_next)
+        out = sde_step(learner.sampler, x_k, v, t, t_next, t_guard=times[1], prev_sample=x_next, velocity=vel)
         lp, lp_old = out.log_prob, traj.log_probs[rows, k].to(dev)
         if learner.weighting.guard:  # GRPO-Guard: the noise-normalised log-ratio in place of log π_θ − log π_old
             old = sde_step(learner.sampler, x_k, traj.velocities[rows, k].to(dev), t, t_next, t_guard=times[1],

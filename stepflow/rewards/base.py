@@ -27,6 +27,10 @@ class Reward:
     name: str = "reward"
     #: largest batch handed to :meth:`score` at once (the loop makes one call per iteration; we chunk here)
     batch_size: int = 64
+    #: a pairwise judge: :meth:`compare` is its own (a preference model that reads two images, UnifiedReward-Think in
+    #: Pref-GRPO), and a credit that reads preferences calls it on the images; False: :meth:`compare` follows
+    #: from the scalar scores (:func:`preference_from_scores`), which such a credit reads without new reward calls
+    pairwise: bool = False
 
     def score(self, images: Tensor, prompts: Sequence[str], meta: Sequence[dict[str, Any]] | None) -> RewardOut:
         raise NotImplementedError
@@ -34,6 +38,17 @@ class Reward:
     def describe(self) -> str:
         """The reward in a message (``reward=<name>``; a served one adds where it is served)."""
         return f"reward={self.name}"
+
+    @torch.no_grad()
+    def compare(self, images_a: Tensor, images_b: Tensor, prompts: Sequence[str],
+                meta: Sequence[dict[str, Any]] | None = None) -> Tensor:
+        """P(a beats b) for P pairs: images_a, images_b (P, 3, H, W) in [0, 1], each pair for its prompt -> (P,) fp32 in
+        [0, 1]. The default (a scalar reward) scores both sides and compares: 1 if a scores higher, 0 if lower, 0.5
+        on a tie (:func:`preference_from_scores`). A pairwise judge overrides it (and sets ``pairwise = True``)."""
+        if images_a.shape != images_b.shape:
+            raise ValueError(f"reward {self.name}: compare needs pairs of images of one shape, got "
+                             f"{tuple(images_a.shape)} and {tuple(images_b.shape)}")
+        return preference_from_scores(self(images_a, prompts, meta).scores, self(images_b, prompts, meta).scores)
 
     @torch.no_grad()
     def __call__(self, images: Tensor, prompts: Sequence[str], meta: Sequence[dict[str, Any]] | None = None) -> RewardOut:
@@ -47,3 +62,10 @@ class Reward:
             outs.append(self.score(images[sl].float().clamp(0, 1), list(prompts[sl]), None if meta is None else list(meta[sl])))
         comps = {k: torch.cat([o.components[k].float().cpu() for o in outs]) for k in outs[0].components}
         return RewardOut(torch.cat([o.scores.float().cpu() for o in outs]), comps)
+
+
+def preference_from_scores(scores_a: Tensor, scores_b: Tensor) -> Tensor:
+    """P(a beats b) of a scalar reward: 1 where ``scores_a > scores_b``, 0 where lower, 0.5 on a tie (as Pref-GRPO counts
+    a judge's tie, CodeGoat24/Pref-GRPO@c06662d fastvideo/train_flux_pref_grpo.py L110-120). (P,) -> (P,) fp32."""
+    a, b = scores_a.float(), scores_b.float()
+    return (a > b).float() + 0.5 * (a == b).float()

@@ -10,6 +10,7 @@ parameters to it.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import ClassVar
 
 import torch
@@ -30,7 +31,13 @@ class Sampler:
       trainable; ode, dpm2);
     - ``multistep``: the rollout keeps the x̂0 of the previous state for :meth:`rollout_step` (dpm2);
     - ``noise_field``: the config field that sets its noise level (``sampler.a``, ``sampler.eta``), named by messages
-      that ask to raise it; None when it has none.
+      that ask to raise it; None when it has none;
+    - ``nfe_per_step``: the model evaluations one stochastic step makes. 1: the velocity ``v`` at (x, t), which the
+      core evaluates and passes in. More (a predictor-corrector step, lc_langevin): the step evaluates the others
+      itself through the ``velocity`` callable that the core then passes to :meth:`step` / :meth:`rollout_step`
+      (``velocity(z, t, guided=True) -> v`` with the same policy, weights and prompts as ``v``, under the run's CFG
+      scale, or without CFG when ``guided`` is False). They go through the policy, so its NFE counter (``cost/nfe``)
+      counts them, with gradients in the update where the step's mean is differentiated.
 
     Instance attribute ``logprob``: the log-prob convention of its steps (``gaussian`` | ``cps_constfree``).
     """
@@ -39,6 +46,7 @@ class Sampler:
     has_density: ClassVar[bool] = True
     multistep: ClassVar[bool] = False
     noise_field: ClassVar[str | None] = None
+    nfe_per_step: ClassVar[int] = 1
     logprob: str = "gaussian"
 
     def std(self, t, t_next, t_guard=None) -> Tensor:
@@ -50,14 +58,17 @@ class Sampler:
              prev_sample: Tensor | None = None, generator: torch.Generator | None = None) -> StepOut:
         """One step from ``t`` to ``t_next``. x, v: (B, ...) (promoted to fp32); t, t_next: float, 0-d or (B,).
         ``prev_sample`` given: it becomes ``next`` and the log-prob is evaluated at it (with gradients through
-        ``v``); else ``next = mean + std·noise`` (``noise ~ N(0, I)`` from ``generator`` when None)."""
+        ``v``); else ``next = mean + std·noise`` (``noise ~ N(0, I)`` from ``generator`` when None). A sampler with
+        ``nfe_per_step > 1`` also takes ``velocity=`` (the class docstring)."""
         raise NotImplementedError(f"{type(self).__name__}.step")
 
     def rollout_step(self, x: Tensor, v: Tensor, k: int, times: Tensor, *, noise: Tensor,
-                     x0_prev: Tensor | None) -> StepOut:
+                     x0_prev: Tensor | None, velocity: Callable[..., Tensor] | None = None) -> StepOut:
         """Step ``k`` of a rollout on the grid ``times`` (T+1,): ``noise`` its ε (B, ...); ``x0_prev`` the x̂0 of the
-        previous state (kept by the rollout for a ``multistep`` sampler, else None)."""
-        return self.step(x, v, times[k], times[k + 1], t_guard=times[1], noise=noise)
+        previous state (kept by the rollout for a ``multistep`` sampler, else None); ``velocity`` the model (given
+        to a sampler with ``nfe_per_step > 1`` only)."""
+        extra = {} if velocity is None else {"velocity": velocity}
+        return self.step(x, v, times[k], times[k + 1], t_guard=times[1], noise=noise, **extra)
 
     def describe(self) -> str:
         """The sampler in a message: its name and the settings that change which steps carry noise."""
