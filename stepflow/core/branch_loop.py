@@ -59,7 +59,9 @@ def branch_trajectory(anchor: Trajectory, amap: Tensor, branches: list[Branches]
     :class:`~stepflow.core.branch.Branches` per trained step (S of them, over the B rows, K branches each); adv: (B, K, S)
     the branches' advantages. Row ``(i·K + j)·S + s`` is branch j of row i at step ``k_s = branches[s].k``: its
     states are the anchor's but ``X_{k_s+1}`` (the branch's), its log-prob, trainable flag and advantage are set at
-    step k_s only, and its velocity at X_{k_s} is the anchor's (the behaviour policy's, what GRPO-Guard reads).
+    step k_s only, and its velocity at X_{k_s} is the anchor's (the behaviour policy's, what GRPO-Guard reads). A
+    merged branch (``branches[s].span`` m > 1) holds its state at ``X_{k_s+m}`` instead, and the trajectory's
+    ``spans`` say that step k_s lands there (``Trajectory.step_end``); None when every span is 1.
     Returns (the trajectory of B·K·S rows, its advantages (B·K·S, T), its term mask (B·K·S, S): row r trains the
     term of its own step)."""
     b, k_br, s_n = adv.shape
@@ -73,16 +75,19 @@ def branch_trajectory(anchor: Trajectory, amap: Tensor, branches: list[Branches]
     a = torch.zeros(n, t_steps, dtype=torch.float32)
     mask = torch.zeros(n, s_n, dtype=torch.bool)
     base = torch.arange(b * k_br) * s_n  # the rows of (i, j) at s = 0
+    spans = torch.ones(t_steps, dtype=torch.long)
     for s, br in enumerate(branches):
         rows = base + s
-        lat[rows, br.k + 1] = br.next.reshape(b * k_br, *br.next.shape[2:]).to(lat.dtype)
+        spans[br.k] = br.span
+        lat[rows, br.k + br.span] = br.next.reshape(b * k_br, *br.next.shape[2:]).to(lat.dtype)
         lps[rows, br.k] = br.log_probs.reshape(b * k_br).to(lps.dtype)
         trn[rows, br.k] = True
         a[rows, br.k] = adv[:, :, s].reshape(b * k_br).float()
         mask[rows, s] = True
     traj = Trajectory(latents=lat, velocities=vel, log_probs=lps, trainable=trn, times=anchor.times,
                       cond=anchor.cond.index(amap).repeat(per),
-                      prompts=[p for p in prompts for _ in range(per)], meta=[m for m in meta for _ in range(per)])
+                      prompts=[p for p in prompts for _ in range(per)], meta=[m for m in meta for _ in range(per)],
+                      spans=spans if bool((spans > 1).any()) else None)
     return traj, a, mask
 
 

@@ -66,6 +66,15 @@ class Trajectory:
     kept: dict[int, Tensor] | None = None
     kept_gib: float = 0.0  #: the activations those graphs hold (GiB, measured by :class:`stepflow.core.retain.SavedBytes`)
     kept_refused: str | None = None  #: why a retained rollout fell back to recomputation (``retain_graph=auto``)
+    #: (T,) long, the grid intervals each step spans (None: 1 each). A step k with span m > 1 is one transition from
+    #: ``X_k`` at ``τ_k`` to ``X_{k+m}`` at ``τ_{k+m}`` (a merged step, E-GRPO's branches: one SDE step across m grid
+    #: intervals); the states between are not that transition's. Every reader of a step's transition takes its end
+    #: from :meth:`step_end` (the GRPO objective's ``x_next`` and ``t_next``), never ``k + 1``.
+    spans: Tensor | None = None
+
+    def step_end(self, k: int) -> int:
+        """The state index where step ``k``'s transition lands: ``k + spans[k]`` (``k + 1`` without spans)."""
+        return k + 1 if self.spans is None else k + int(self.spans[k])
 
     @property
     def absent_states(self) -> list[int]:
@@ -102,6 +111,8 @@ class Trajectory:
         """Trajectories of the same grid, depth and tail, concatenated along the batch."""
         first = parts[0]
         for p in parts[1:]:
+            if (p.spans is None) != (first.spans is None) or (p.spans is not None and not torch.equal(p.spans, first.spans)):
+                raise ValueError("Trajectory.cat: the parts' steps span different grid intervals")
             if p.tail_start != first.tail_start or (p.tail_times is None) != (first.tail_times is None) or (
                     p.tail_times is not None and not torch.equal(p.tail_times, first.tail_times)):
                 raise ValueError("Trajectory.cat: the parts ran different MixGRPO-Flash tails")
@@ -114,7 +125,8 @@ class Trajectory:
                           times=first.times, cond=Cond.cat([p.cond for p in parts]),
                           prompts=[x for p in parts for x in p.prompts], meta=[x for p in parts for x in p.meta],
                           tail_start=first.tail_start, tail_times=first.tail_times, kept=kept,
-                          kept_gib=sum(p.kept_gib for p in parts) if kept is not None else 0.0, kept_refused=refused)
+                          kept_gib=sum(p.kept_gib for p in parts) if kept is not None else 0.0, kept_refused=refused,
+                          spans=first.spans)
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ __all__ = ["Grpo", "Distill"]
 
 class Grpo(Objective):
     """``mean_i max(−A ρ, −A clip(ρ, 1 ± ϵ)) + β·KL(π_θ ‖ π_ref)`` with ρ the likelihood ratio of the rollout's
-    X_{k+1} given X_k (docs/method.md §5); ``train.weighting=guard`` replaces log ρ by GRPO-Guard's normalised one,
+    X_{k+1} given X_k (docs/method.md §5; a merged step: X_{k+m} at τ_{k+m}, ``Trajectory.step_end``); ``train.weighting=guard`` replaces log ρ by GRPO-Guard's normalised one,
     ``guard_released`` also divides the step's surrogate by its Δt (GRPO-Guard as released, docs/method.md §12.1)."""
 
     name = "grpo"
@@ -28,8 +28,9 @@ class Grpo(Objective):
         o, pol, dev, k = self.train, learner.policy, learner.policy.device, term
         x_k = traj.latents[rows, k].to(dev)
         cond = traj.cond.index(rows).to(dev)
-        t, t_next = times[k], times[k + 1]
-        x_next = traj.latents[rows, k + 1].to(dev)
+        end = traj.step_end(k) if hasattr(traj, "step_end") else k + 1  # a merged step lands at τ_{k+m}
+        t, t_next = times[k], times[end]
+        x_next = traj.latents[rows, end].to(dev)
         vel = model_velocity(pol, cond, learner.guidance)  # a predictor-corrector step's own evaluations (lc_langevin)
         ref_mean = None
         if o.beta_kl > 0:  # before the policy's forward: FSDP2 must not run a module forward between a forward

@@ -16,13 +16,22 @@ __all__ = ["BranchRollout"]
 
 class BranchRollout(RolloutStrategy):
     """``branches`` K SDE branches per rollout row at every trained step, each completed by the ODE at each of
-    ``granularities`` (Euler strides). The rows the update trains are the branch rows (B·K·S of this rank's B)."""
+    ``granularities`` (Euler strides). The rows the update trains are the branch rows (B·K·S of this rank's B).
+
+    ``jump_last``: a completion whose stride misses τ_T = 0 ends with an Euler step to 0 from its second-last time
+    (FastVideo's released loop) instead of visiting its last time first (:func:`stepflow.core.branch.completion_grid`).
+    :meth:`span`: the grid intervals the SDE branch at a trained step covers (1: one grid step; a subclass that
+    merges steps, E-GRPO, returns m > 1: one SDE transition from τ_k to τ_{k+m}, trained as such)."""
 
     name = "branches"
     branched = True
 
-    def __init__(self, branches: int = 4, granularities: tuple[int, ...] = (1,)):
-        self.branches, self.granularities = int(branches), tuple(granularities)
+    def __init__(self, branches: int = 4, granularities: tuple[int, ...] = (1,), jump_last: bool = False):
+        self.branches, self.granularities, self.jump_last = int(branches), tuple(granularities), bool(jump_last)
+
+    def span(self, k: int, learner) -> int:
+        """The grid intervals the SDE branch at trained step ``k`` spans (default 1)."""
+        return 1
 
     def context(self, learner, it):
         ctx = super().context(learner, it)
@@ -44,7 +53,8 @@ class BranchRollout(RolloutStrategy):
             branches = []
             for k in ctx.trained:
                 branches.append(branch_at(pol, lat, vel, anchor.times, cond, k, learner.sampler, self.branches,
-                                          mine.step_noise_seeds, learner.guidance, self.granularities))
+                                          mine.step_noise_seeds, learner.guidance, self.granularities,
+                                          span=self.span(k, learner), jump_last=self.jump_last))
                 stop_point(learner)
         return Collected(anchor, None, None, {"amap": amap, "branches": branches})
 
