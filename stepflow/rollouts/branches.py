@@ -20,6 +20,8 @@ class BranchRollout(RolloutStrategy):
 
     name = "branches"
     branched = True
+    trains = "trains GRPO on branches of an ODE anchor at every trained step"
+    sde_hint = "sampler=flow_sde (TempFlow-GRPO, Granular-GRPO) or another SDE"
 
     def __init__(self, branches: int = 4, granularities: tuple[int, ...] = (1,)):
         self.branches, self.granularities = int(branches), tuple(granularities)
