@@ -36,7 +36,7 @@ from stepflow.math.advantage import AdvantageOut
 from stepflow.math.solvers import x0_from_v
 from stepflow.rollouts.base import Collected, Credited, RolloutStrategy, TrainBatch, stop_point
 
-__all__ = ["TreeRollout", "grow_trees", "leaf_layout"]
+__all__ = ["TreeRollout", "grow_trees", "leaf_layout", "leaf_image_latents"]
 
 
 class TreeRollout(RolloutStrategy):
@@ -70,8 +70,7 @@ class TreeRollout(RolloutStrategy):
 
     def score(self, learner, col, mine, ctx):
         traj, t = col.traj, learner.loop.num_steps
-        x0 = x0_from_v(traj.latents[:, t - 1], traj.velocities[:, t - 1], traj.times[t - 1])  # the release's image
-        images = _decode(learner.policy, x0, learner.loop.decode_chunk)
+        images = _decode(learner.policy, leaf_image_latents(traj), learner.loop.decode_chunk)
         out = learner.reward(images, list(mine.prompts), list(mine.meta))
         rewards = torch.full((traj.batch_size, t + 1), float("nan"))
         rewards[:, t] = out.scores.float().cpu()
@@ -127,6 +126,13 @@ class TreeRollout(RolloutStrategy):
 
     def stepwise(self, col):
         return False
+
+
+def leaf_image_latents(traj: Trajectory) -> Tensor:
+    """The latents the leaves are rewarded on (B, C, H, W): the x̂0 of the last step's start, ``X_{T−1} − τ_{T−1}·v``
+    (the release's ``pred_original`` of the last step, L826-848), not the SDE sample X_T."""
+    t = traj.num_steps
+    return x0_from_v(traj.latents[:, t - 1], traj.velocities[:, t - 1], traj.times[t - 1])
 
 
 def leaf_layout(plan: IterationPlan, rows: Tensor, leaves: int) -> list[tuple[int, list[int], list[int]]]:
