@@ -379,12 +379,17 @@ def test_depth_advantages_by_hand():
     a = depth_advantages([torch.tensor([0.5]), torch.tensor([0.1, 0.7], dtype=torch.float64)])
     assert a[0].tolist() == [0.0]
     assert a[1].tolist() == pytest.approx([-1 / math.sqrt(2), 1 / math.sqrt(2)], rel=1e-6)
+    # eps = 1e-8 on the std: visible at a std of 1.4e-5 (above min_std)
+    b = depth_advantages([torch.tensor([0.0, 2e-5], dtype=torch.float64)])[0]
+    assert b.tolist() == pytest.approx([-1e-5 / (math.sqrt(2) * 1e-5 + 1e-8), 1e-5 / (math.sqrt(2) * 1e-5 + 1e-8)],
+                                       rel=1e-9)
     # a constant depth (std < 1e-6): 0, not 0/1e-8
     assert depth_advantages([torch.tensor([0.3, 0.3 + 1e-7], dtype=torch.float64)])[0].tolist() == [0.0, 0.0]
 
 
 # ================================================================ pruning against REF L1275-1466
-@pytest.mark.parametrize("it,slide,stop", [(0, False, None), (0, True, None), (4, True, None), (40, True, None),
+@pytest.mark.parametrize("it,slide,stop", [(0, False, None), (0, True, None), (1, True, None), (4, True, None),
+                                           (5, True, None), (40, True, None),
                                            (40, True, 3), (7, True, 6)])
 def test_depth_pruning_matches_the_released_lines(it, slide, stop):
     split_points, num_steps = [0, 1, 3], 7
@@ -560,3 +565,41 @@ def test_the_recipe_trains_two_iterations(tmp_path):
         for k in ("train/grad_norm", "train/reward_mean", "train/policy_loss"):
             assert math.isfinite(float(row[k])), k
         assert float(row["cost/nfe_rollout"]) == 4 * 99  # 4 trees of 99 node evaluations
+
+
+def test_the_update_gets_every_edge_once(tmp_path, monkeypatch):
+    """The strategy's phases by hand: the update's rows are the trees' edges, each once (per tree and step k, the
+    distinct X_{k+1} of the leaf paths, N_{k+1} of them), each trained at its step only, with the advantage of its
+    child (the leaf-path table's entry of every leaf under that child)."""
+    from stepflow.core.algorithm import Phases
+    from stepflow.train import build_module
+
+    monkeypatch.setenv("STEPFLOW_CACHE", str(tmp_path / "cache"))
+    m = build_module(smoke_config(*TREE, "train.drop_zero_adv=false"), tmp_path)
+    lr = m.learner
+    strat = lr.rollout
+    ctx = strat.context(lr, 0)
+    plan = lr.plan.plan(0)
+    col = strat.collect(lr, plan, ctx, Phases(lr.policy))
+    col = strat.score(lr, col, plan, ctx)
+    cred = strat.credit(lr, col, col.scores.rewards, plan, ctx)
+    b = strat.training_batch(lr, col, cred, plan, ctx)
+    counts = node_counts(tree_factors([0, 2], 2, 4))
+    assert b.traj.batch_size == 2 * sum(counts[1:])
+    assert (b.mask.sum(1) == 1).all() and ctx.trained == [0, 1, 2, 3]
+    leaf = col.traj
+    for e in range(b.traj.batch_size):
+        k = int(b.mask[e].nonzero())
+        assert (b.adv[e].nonzero().flatten().tolist() in ([k], []))
+        x_next = b.traj.latents[e, k + 1]
+        under = [i for i in range(leaf.batch_size) if torch.equal(leaf.latents[i, k + 1], x_next)]
+        assert under and all(plan.group_ids[i] == b.groups[e] for i in under)
+        assert all(float(cred.train[i, k]) == float(b.adv[e, k]) for i in under)
+        torch.testing.assert_close(b.traj.latents[e, k], leaf.latents[under[0], k])
+        assert float(b.traj.log_probs[e, k]) == float(leaf.log_probs[under[0], k])
+    for g in (0, 1):
+        rows = (b.groups == g).nonzero().flatten()
+        for k in range(4):
+            at_k = [e for e in rows.tolist() if bool(b.mask[e, k])]
+            assert len(at_k) == counts[k + 1]
+            assert len({b.traj.latents[e, k + 1].sum().item() for e in at_k}) == counts[k + 1]
