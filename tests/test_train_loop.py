@@ -180,14 +180,18 @@ def test_bad_overrides_give_one_line_errors(tmp_path, cli, args, needle):
                                     "loop.group_size=8"],  # win rates over a group on both ranks
                                    ["advantage=e_grpo", "sampler=flow_sde", "reward=pickscore_tiny", "loop.same_latent=true",
                                     "train.update_per_step=true", "train.drop_zero_adv=false", "train.train_steps=[0,1]",
-                                    "advantage.merge=[2,1]", "loop.time_grid=fastvideo"]],
-                         ids=["plain", "auto", "nft", "tempflow", "g2rpo", "pref_grpo", "e_grpo"])
+                                    "advantage.merge=[2,1]", "loop.time_grid=fastvideo"],
+                                   ["advantage=branchgrpo", "advantage.split_points=[0,1,2]", "sampler=dance_sde",
+                                    "reward=pickscore_tiny", "train.train_steps=null", "loop.prompts_per_iter=1",
+                                    "loop.group_size=8"]],  # one tree over both ranks
+                         ids=["plain", "auto", "nft", "tempflow", "g2rpo", "pref_grpo", "e_grpo", "branchgrpo"])
 def test_ddp_two_processes_matches_one(tmp_path, extra):
     """2-process DDP on the CPU (gloo) gives the same rewards and advantages as 1 process for the same seeds, and
     the same optimizer step (auto: the per-step gradients are RMS-normalised by their global norms; nft: each row's
     training times and noise follow it to its rank; tempflow / g2rpo: each rank branches its own rows' anchors, the
     advantages are normalised over every rank's branches, g2rpo takes one optimizer step per trained step; e_grpo:
-    the same with merged steps, whose branch rows carry their spans to each rank's update)."""
+    the same with merged steps, whose branch rows carry their spans to each rank's update; branchgrpo: both ranks
+    grow the shared prefix of the tree their leaves split, each trains the edges it owns)."""
     one, two = tmp_path / "one", tmp_path / "two"
     # adam_eps=1, lr=1: the first Adam step is ~ the gradient itself (not its sign), so weights compare gradients
     common = ["experiment=smoke", "loop.iterations=1", "loop.dump_trajectories=true", "eval.max_prompts=2",

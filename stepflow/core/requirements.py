@@ -162,7 +162,9 @@ def _retain_why_not(s) -> str | None:
                           per_step_weighting=s.train.weighting if _per_step(s) else None, strategy=s.strategy)
 
 
-_BRANCH = "trains GRPO on branches of an ODE anchor at every trained step"
+def _trains(s) -> str:
+    """What the credit's branched rollout strategy trains, in its refusals (``RolloutStrategy.trains``)."""
+    return s.advantage.rollout_strategy().trains
 
 #: (name, fails, message): checked in order, the first failing row raised as one line
 ROWS: list[Row] = [
@@ -198,19 +200,19 @@ ROWS: list[Row] = [
                f"final image, which advantage={s.advantage.name} reads; use advantage=uniform or "
                "window.post_solver=euler"),
     ("branches: GRPO", lambda s: _branched(s) and not s.objective.needs_density,
-     lambda s: f"objective={s.objective.name}: advantage={s.advantage.name} {_BRANCH}; use objective=grpo"),
+     lambda s: f"objective={s.objective.name}: advantage={s.advantage.name} {_trains(s)}; use objective=grpo"),
     ("branches: no window", lambda s: _branched(s) and s.window.union(s.loop.num_steps) is not None,
-     lambda s: f"window={s.window.name}: advantage={s.advantage.name} {_BRANCH} (the anchor has no SDE window); use "
+     lambda s: f"window={s.window.name}: advantage={s.advantage.name} {_trains(s)} (its rollout has no SDE window); use "
                "window=none and train.train_steps to choose the steps"),
     ("branches: no step subset", lambda s: _branched(s) and s.train.step_subset is not None,
-     lambda s: f"train.step_subset={s.train.step_subset}: advantage={s.advantage.name} {_BRANCH}, each branch row at "
+     lambda s: f"train.step_subset={s.train.step_subset}: advantage={s.advantage.name} {_trains(s)}, each branch row at "
                "its own step; set train.step_subset=null"),
     ("branches: no per-step weighting", lambda s: _branched(s) and _per_step(s),
-     lambda s: f"train.weighting={s.train.weighting}: advantage={s.advantage.name} {_BRANCH}, each branch row at its "
+     lambda s: f"train.weighting={s.train.weighting}: advantage={s.advantage.name} {_trains(s)}, each branch row at its "
                "own step, which whole per-step gradients cannot combine; use train.weighting=none or noise"),
     ("branches: an SDE", lambda s: _branched(s) and not s.sampler.has_density,
-     lambda s: f"sampler={s.sampler.name}: advantage={s.advantage.name} {_BRANCH}, drawn by the sampler's SDE; use "
-               "sampler=flow_sde (TempFlow-GRPO, Granular-GRPO) or another SDE"),
+     lambda s: f"sampler={s.sampler.name}: advantage={s.advantage.name} {_trains(s)}, drawn by the sampler's SDE; use "
+               f"{s.advantage.rollout_strategy().sde_hint}"),
     ("window from step 0", _window_not_from_zero, _window_from_zero_message),
     ("sharded: whole per-step gradients", lambda s: s.strategy in ("fsdp", "deepspeed") and _per_step(s),
      lambda s: f"train.weighting={s.train.weighting}: combines whole per-step gradients, which trainer={s.strategy} "

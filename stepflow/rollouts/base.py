@@ -81,10 +81,13 @@ class TrainBatch:
 
 class RolloutStrategy:
     """The interface (see the module docstring). ``branched``: the rows the update trains are not the rollout's
-    own (their advantages are per branch)."""
+    own (their advantages are per branch); ``trains`` and ``sde_hint``: what a branched strategy trains and which SDE
+    to choose, in the one-line refusals of :mod:`stepflow.core.requirements` (``advantage=<name> <trains>``)."""
 
     name = "rollout"
     branched = False
+    trains = "trains GRPO on the rollout's own steps"
+    sde_hint = "sampler=flow_sde or another SDE"
 
     def context(self, learner: Any, it: int) -> Context:
         grid = learner.grid()  # loop.time_grid: the policy's own, or FastVideo's (DanceGRPO)

@@ -25,6 +25,8 @@ class BranchRollout(RolloutStrategy):
 
     name = "branches"
     branched = True
+    trains = "trains GRPO on branches of an ODE anchor at every trained step"
+    sde_hint = "sampler=flow_sde (TempFlow-GRPO, Granular-GRPO) or another SDE"
 
     def __init__(self, branches: int = 4, granularities: tuple[int, ...] = (1,), jump_last: bool = False):
         self.branches, self.granularities, self.jump_last = int(branches), tuple(granularities), bool(jump_last)
