@@ -76,8 +76,8 @@ def why_not(*, updates_per_iter: int, update_per_step: bool, forward_process: bo
         return ("the forward-process objectives train at re-noised points the rollout never evaluated: there is no "
                 "forward pass to reuse")
     if branched:
-        return (f"advantage={branched} trains rows its rollout strategy builds (branches of ODE anchors, tree edges), "
-                "whose forward passes the rollout's graphs do not hold")
+        return (f"advantage={branched} trains branches of ODE anchors, whose SDE steps the rollout's forward pass does "
+                "not produce")
     if per_step_weighting:
         return (f"train.weighting={per_step_weighting} back-propagates each step's loss apart, the kept graphs once "
                 "(use train.weighting=none, noise, gain_var, guard or guard_released)")
