@@ -172,7 +172,7 @@ README_END = "<!-- end of the league's table -->"
 def readme_table(rows: Sequence[dict[str, Any]], titles: dict[str, str], methods: Sequence[str]) -> str:
     """The README's first results table: every league method's mean ± 95 % CI of the held-out GenEval at each budget
     of the table phase (``rows``: results.csv rows, strings or numbers), best first at the largest budget, with the
-    mean training seconds to it and the seeds."""
+    mean training seconds to it and the seeds; then a line naming the ``methods`` that have no table row yet."""
     import report
 
     rows = [r for r in rows if r["phase"] == "table" and r["method"] in methods]
@@ -194,6 +194,10 @@ def readme_table(rows: Sequence[dict[str, Any]], titles: dict[str, str], methods
         n = max((len(v) for v in data[m].values()), default=0)
         sec = f"{sum(secs[m]) / len(secs[m]):.0f}" if secs[m] else "—"
         out.append(f"| {titles.get(m, m)} (`{m}`) | " + " | ".join(cells) + f" | {sec} | {n} |")
+    waiting = [m for m in methods if m not in data]
+    if waiting:  # league methods without a table run yet: named, not left out silently
+        out.append("\nNot run in the league yet: " + ", ".join(f"{titles.get(m, m)} (`{m}`)" for m in waiting)
+                   + " (`make league` runs them).")
     return "\n".join(out)
 
 
