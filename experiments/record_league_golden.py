@@ -49,6 +49,9 @@ BASE_ARGS = ["loop.iterations=1", "eval.every=0", "eval.at_start=false", "eval.m
 #: per-recipe extra overrides (each must leave the rows of the first iteration unchanged); none are needed so far:
 #: every recipe's one iteration (with the start and end evaluations) ends within about 3 minutes on 2 CPU cores
 OVERRIDES: dict[str, list[str]] = {}
+#: per-recipe overrides of the small set only: the same computation at about 16 samples where the recipe's own
+#: sizes are tied (a BranchGRPO tree's leaves are its group: 1 prompt x 16 leaves)
+SMALL_OVERRIDES: dict[str, list[str]] = {"branchgrpo": ["loop.prompts_per_iter=1", "loop.group_size=16"]}
 #: metrics compared: names starting with one of these, and exactly `cost/nfe`
 PREFIXES = ("train/reward", "train/adv", "train/gain", "train/grad_norm", "train/loss", "train/policy_loss",
             "train/kl", "train/ratio", "train/clip_frac")
@@ -135,17 +138,26 @@ def main(argv: list[str] | None = None) -> int:
     old = json.loads(a.out.read_text()) if a.out.exists() else {}
     print(f"stepflow from {Path(stepflow.__file__).parent}; {len(names)} recipe(s), {a.jobs} at a time", flush=True)
 
+    def extra(name: str) -> list[str]:
+        return OVERRIDES.get(name, []) + (SMALL_OVERRIDES.get(name, []) if a.size == "small" else [])
+
     def one(name: str):
-        res = run_recipe(name, OVERRIDES.get(name, []), base=base)
+        try:
+            res = run_recipe(name, extra(name), base=base)
+        except RuntimeError as e:  # the others are still recorded
+            print(f"  {e}", flush=True)
+            return name, None
         print(f"  league/{name}: {res['wall_s']:.0f} s (iteration {res['iteration_s']:.0f} s), "
               f"{len(res['metrics'])} metrics", flush=True)
         return name, res
 
     with ThreadPoolExecutor(a.jobs) as pool:
         results = dict(pool.map(one, names))
+    failed_runs = sorted(n for n, r in results.items() if r is None)
+    results = {n: r for n, r in results.items() if r is not None}
 
     if a.check:
-        failed = 0
+        failed = len(failed_runs)
         for name, res in results.items():
             want = old.get("recipes", {}).get(name)
             if want is None:
@@ -166,8 +178,8 @@ def main(argv: list[str] | None = None) -> int:
     for name, res in results.items():
         excluded = EXCLUDE.get(name, {})
         entries[name] = {
-            "args": [f"experiment=league/{name}", *base, *OVERRIDES.get(name, [])],
-            "overrides": OVERRIDES.get(name, []),
+            "args": [f"experiment=league/{name}", *base, *extra(name)],
+            "overrides": extra(name),
             "metrics": {k: v for k, v in res["metrics"].items() if k not in excluded},
             "excluded": excluded,
             "recorded_from": commit,
@@ -184,8 +196,8 @@ def main(argv: list[str] | None = None) -> int:
     }
     a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.write_text(json.dumps(doc, indent=1, sort_keys=True) + "\n")
-    print(f"wrote {a.out} ({len(entries)} recipes)")
-    return 0
+    print(f"wrote {a.out} ({len(entries)} recipes)" + (f"; failed: {', '.join(failed_runs)}" if failed_runs else ""))
+    return 1 if failed_runs else 0
 
 
 if __name__ == "__main__":

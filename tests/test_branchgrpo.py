@@ -1,4 +1,4 @@
-"""BranchGRPO (advantage=branchgrpo: stepflow.credits.branchgrpo, stepflow.rollouts.tree; docs/method.md §13.4).
+"""BranchGRPO (advantage=branchgrpo: stepflow.credits.branchgrpo, stepflow.rollouts.tree; docs/method.md §15.3).
 
 Every formula is checked against an inline transcription of the released lines (plain torch / Python, written from
 the reference, never calling stepflow's functions), on small hand-made trees:

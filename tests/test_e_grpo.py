@@ -1,4 +1,4 @@
-"""E-GRPO (advantage=e_grpo, experiment=league/e_grpo; docs/methods_new/e_grpo.md) against transcriptions of its
+"""E-GRPO (advantage=e_grpo, experiment=league/e_grpo; docs/method.md §15.2) against transcriptions of its
 release, shengjun-zhang/VisualGRPO@ae619bff847b2559f7db998da8f635ca1cb7ce4e (``algorithm=grpo_merge``):
 
 - the merged SDE step and its log-prob: ``FluxSampler._flow_grpo_step`` (fastvideo/workers/sampler/flux_sampler.py

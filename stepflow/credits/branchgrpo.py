@@ -1,5 +1,5 @@
 """BranchGRPO's credit (arXiv 2509.06040; Fredreic1849/BranchGRPO@19fbb9f fastvideo/train_branchgrpo_flux.py, the
-same file as shengjun-zhang/VisualGRPO@ae619bf other_algorithms/branchgrpo_train_grpo_flux.py; docs/method.md §13.4).
+same file as shengjun-zhang/VisualGRPO@ae619bf other_algorithms/branchgrpo_train_grpo_flux.py; docs/method.md §15.3).
 
 One **tree** per prompt grows from one initial noise (``loop.same_latent=true``): every step k moves each node one
 SDE step; at the ``split_points`` each node has ``branches`` children instead of one (their noise times

@@ -1,4 +1,4 @@
-"""BranchGRPO's tree rollout (docs/method.md §13.4; Fredreic1849/BranchGRPO@19fbb9f fastvideo/train_branchgrpo_flux.py
+"""BranchGRPO's tree rollout (docs/method.md §15.3; Fredreic1849/BranchGRPO@19fbb9f fastvideo/train_branchgrpo_flux.py
 ``run_tree_sample_step`` L354-542, ``train_one_step_tree`` L947-1647): one tree per prompt, the prompt's group its
 leaves. The credit (:class:`stepflow.credits.branchgrpo.BranchGrpo`) says the tree's shape and how its rewards become
 advantages; this module grows the trees, scores the leaves and hands the update the tree's edges.
