@@ -243,6 +243,10 @@ def _fit(cfg: DictConfig, run_dir: Path, ckpt: Path | None):
         except SIGTERMException:  # Lightning's own SIGTERM exit, after the epoch (and its checkpoint) finished
             module.stop_reason = module.stop_reason or f"stopped by SIGTERM after iteration {module.iteration}"
             module.stop_signal = module.stop_signal or "SIGTERM"
+        finally:  # a run that raised: its progress bar ends its line, so the one-line error gets a line of its own
+            if getattr(module, "_pbar", None) is not None:
+                module._pbar.close()
+                module._pbar = None
         if stop.STOP.is_set() and not module.stop_reason:  # the signal came after the last iteration
             module.stop_reason, module.stop_signal = f"stopped by {stop.reason()} after iteration {module.iteration}", stop.reason()
     if module.stop_reason:
