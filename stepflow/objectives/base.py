@@ -68,6 +68,9 @@ class Objective:
     forward_process = False  #: trains on re-noised final samples (no log-probs; the rollout sampler is free)
     drops_zero_advantage = True  #: rows whose advantages are 0 at every step give no gradient and are skipped
     reads_estimates = False  #: the loss reads x̂0 estimates (of :meth:`states`), so they are computed
+    #: a row's loss reads the other rows of its prompt group (a group-level preference: DGPO, Diffusion-DPO), so
+    #: :meth:`begin_update` also receives the update's advantages and the rows' group ids (``adv=``, ``groups=``)
+    couples_rows = False
 
     def __init__(self, train: TrainConfig | None = None, rollout_sampler: str | None = None,
                  same_latent: bool | None = None):
@@ -113,9 +116,12 @@ class Objective:
         """Context under which the rollout (and its x̂0 estimates) run: the behaviour policy's weights."""
         return contextlib.nullcontext()
 
-    def begin_update(self, learner: Any, traj: Any, it: int, seeds: Tensor, steps: Sequence[int]) -> None:
+    def begin_update(self, learner: Any, traj: Any, it: int, seeds: Tensor, steps: Sequence[int],
+                     **batch: Tensor) -> None:
         """Before the update of iteration ``it`` over the trained ``steps``: draw what its terms need. ``seeds``:
-        (B_local,) the rows' noise seeds (a row's draws depend on it alone, not on the rank or the batch)."""
+        (B_local,) the rows' noise seeds (a row's draws depend on it alone, not on the rank or the batch). With
+        :attr:`couples_rows`, ``batch`` holds ``adv`` (B_local, T) and ``groups`` (B_local,) long, the rows' prompt-group
+        ids (one id per group, the same on every rank: a group's rows may sit on several ranks)."""
 
     def end_iteration(self, learner: Any) -> None:
         """After the update (the copies move toward the new weights)."""
@@ -160,7 +166,7 @@ class ForwardObjective(Objective):
         ``gen`` (or, for times every row shares, with ``shared``, seeded alike on every rank)."""
         raise NotImplementedError
 
-    def begin_update(self, learner, traj, it, seeds, steps):
+    def begin_update(self, learner, traj, it, seeds, steps, **batch):
         shape = tuple(traj.latents.shape[2:])
         idx, eps = [], []
         shared_seed = (learner.loop.seed * 1_000_003 + it * 7919 + 11) % (2**63 - 1)
