@@ -163,16 +163,17 @@ def _perturb(params, scale, seed):
             p.add_(torch.randn(p.shape, generator=g) * scale)
 
 
-@pytest.mark.parametrize("finetune", ["lora", "full"])
-def test_the_update_gradient_is_the_released_one(tmp_path, finetune):
+@pytest.mark.parametrize("finetune,drop", [("lora", True), ("full", True), ("lora", False)])
+def test_the_update_gradient_is_the_released_one(tmp_path, finetune, drop):
     """The mean over the training times of OnlineDpo.loss over the pairs' rows (the update's one optimizer step) has
     the gradient of the released loss averaged over its training times (gradient accumulation over
     num_train_timesteps), written out with the winners first and the losers after (dpo:L866-939), the reference the
-    copy of the initial weights (the release's "ref" adapter); train/policy_loss is the released loss."""
+    copy of the initial weights (the release's "ref" adapter); train/policy_loss is the released loss. With
+    train.drop_zero_adv=false the update's mean runs over every row, the others' coefficients 0: the same gradient."""
     from stepflow.core.algorithm import step_loss
 
     full = ["model=sd3_tiny", "model.finetune=full"] if finetune == "full" else []
-    m = _module(tmp_path, *full, "objective.beta=20")
+    m = _module(tmp_path, *full, "objective.beta=20", f"train.drop_zero_adv={str(drop).lower()}")
     lr, obj, pol = m.learner, m.learner.objective, m.learner.policy
     params = list(pol.trainable_parameters())
     _perturb(params, 0.3 if finetune == "lora" else 0.01, 1)  # θ ≠ the reference: the margins are not 0
@@ -180,7 +181,7 @@ def test_the_update_gradient_is_the_released_one(tmp_path, finetune):
     obj.begin_update(lr, traj, 0, plan.step_noise_seeds, steps, adv=adv, groups=plan.group_ids)
     k = obj.num_terms(steps)
     assert k == int(lr.loop.num_steps * 0.75)
-    rows = torch.nonzero(adv.abs().sum(1) > 0).flatten()  # the rows the update trains (the pairs)
+    rows = torch.nonzero((adv.abs().sum(1) > 0) | (not drop)).flatten()  # the rows the update trains
     outs = [step_loss(lr, traj, adv, j, rows, traj.times) for j in range(k)]
     got = sum(o["loss"] for o in outs) / k
     g_got = torch.autograd.grad(got, params, allow_unused=True)
