@@ -171,13 +171,20 @@ def test_bad_overrides_give_one_line_errors(tmp_path, cli, args, needle):
                                     "loop.same_latent=false", "train.weighting=noise", "loop.prompts_per_iter=1",
                                     "loop.group_size=8"],  # one group over both ranks
                                    ["advantage=g2rpo", "sampler=flow_sde", "reward=pickscore_tiny", "train.update_per_step=true",
-                                    "train.train_steps=[0,1]"]],
-                         ids=["plain", "auto", "nft", "tempflow", "g2rpo"])
+                                    "train.train_steps=[0,1]"],
+                                   ["objective=dgpo", "sampler=ode", "advantage=uniform", "reward=pickscore_tiny",
+                                    "loop.same_latent=false", "objective.trunc_steps=2", "objective.num_times=2",
+                                    "train.beta_kl=0.02", "loop.prompts_per_iter=1", "loop.group_size=8", "loop.iterations=2"],
+                                   ["objective=online_dpo", "advantage=best_worst", "sampler=flow_sde", "reward=pickscore_tiny",
+                                    "loop.same_latent=false", "loop.prompts_per_iter=1", "loop.group_size=8", "loop.iterations=2"]],
+                         ids=["plain", "auto", "nft", "tempflow", "g2rpo", "dgpo", "online_dpo"])
 def test_ddp_two_processes_matches_one(tmp_path, extra):
     """2-process DDP on the CPU (gloo) gives the same rewards and advantages as 1 process for the same seeds, and
     the same optimizer step (auto: the per-step gradients are RMS-normalised by their global norms; nft: each row's
     training times and noise follow it to its rank; tempflow / g2rpo: each rank branches its own rows' anchors, the
-    advantages are normalised over every rank's branches, g2rpo takes one optimizer step per trained step)."""
+    advantages are normalised over every rank's branches, g2rpo takes one optimizer step per trained step; dgpo: one
+    group over both ranks, its weight's sum added over them; online_dpo: a group's winner and loser paired across ranks;
+    both for 2 iterations, so that the second's margins to the reference are not 0)."""
     one, two = tmp_path / "one", tmp_path / "two"
     # adam_eps=1, lr=1: the first Adam step is ~ the gradient itself (not its sign), so weights compare gradients
     common = ["experiment=smoke", "loop.iterations=1", "loop.dump_trajectories=true", "eval.max_prompts=2",
