@@ -8,7 +8,7 @@ export WANDB_MODE ?= offline
 export TOKENIZERS_PARALLELISM ?= false
 
 .DEFAULT_GOAL := help
-.PHONY: help install train test test-fast test-slow test-golden test-all evaluate pretrain ablations ablations-quick league league-quick clean
+.PHONY: help install train test test-fast test-slow test-golden test-extended test-all evaluate pretrain ablations ablations-quick league league-quick clean
 
 help: ## list the targets
 	@echo "stepflow: make <target> [ARGS='key=value ...']   (every target installs first; set-up is make train / make test)"
@@ -50,12 +50,16 @@ test-fast: test ## the same as make test
 # The multi-process tests (xdist_group "multiprocess": 2 ranks each) run one at a time on one worker, the
 # single-process slow tests beside them on the other
 test-slow: install ## the slow tests: DDP / FSDP2 / DeepSpeed on the CPU, signals, the wheel, goldens (about 17 min)
-	$(VPY) -m pytest -q -n $(WORKERS) --dist loadgroup -m "slow and not golden_full" $(ARGS)
+	$(VPY) -m pytest -q -n $(WORKERS) --dist loadgroup -m "slow and not golden_full and not extended" $(ARGS)
 
 # every league recipe's first iteration at its own batch against tests/golden/league_it1.json (about 12 min on 2
 # cores; CI compares the small-batch set, tests/golden/league_it1_small.json, in test-slow)
 test-golden: install ## every league recipe's first iteration at its own batch against its golden (about 12 min)
 	$(VPY) -m pytest -q -n $(WORKERS) -m golden_full $(ARGS)
+
+# the newer methods' 2-process and command-line runs (pytest -m extended)
+test-extended: install ## the newer league methods' DDP-equals-one-process and CLI runs (about 15 min)
+	$(VPY) -m pytest -q -n $(WORKERS) --dist loadgroup -m extended $(ARGS)
 
 test-all: test test-slow ## make test and make test-slow (what CI runs)
 

@@ -555,6 +555,7 @@ def test_resume_is_exact(tmp_path, monkeypatch):
 
 
 @pytest.mark.slow
+@pytest.mark.extended  # make test-extended (outside CI's 30 minutes)
 def test_the_recipe_trains_two_iterations(tmp_path):
     r = run_cli("stepflow.train", "experiment=league/branchgrpo", "loop.iterations=2", "eval.every=0",
                 "eval.at_start=false", "eval.max_prompts=8", f"hydra.run.dir={tmp_path}", timeout=900)

@@ -433,6 +433,7 @@ def test_resume_is_exact(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.extended  # make test-extended (outside CI's 30 minutes)
 def test_league_recipe_trains_two_iterations(tmp_path):
     """python -m stepflow.train experiment=league/e_grpo for 2 iterations: finite grad norm, reward and loss."""
     import csv

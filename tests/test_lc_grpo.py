@@ -179,6 +179,7 @@ def test_the_recipe_composes():
 
 
 @pytest.mark.slow
+@pytest.mark.extended  # make test-extended (outside CI's 30 minutes)
 def test_two_iterations_of_the_recipe_train(tmp_path):
     import csv
 

@@ -244,7 +244,7 @@ def test_settings_an_objective_cannot_use_are_one_line(cli, overrides, field):
     assert line.startswith(f"stepflow: error: {field}"), line
 
 
-@pytest.mark.parametrize("objective", ["nft", "awm"])
+@pytest.mark.parametrize("objective", ["nft", "awm", "dgpo"])
 def test_resume_is_exact_with_the_weight_copies(tmp_path, objective):
     """3 iterations in one go and 2 + a resume to 3 end with the same weights, the same old / EMA copy and the same
     metrics: the copies are checkpointed."""
@@ -253,6 +253,9 @@ def test_resume_is_exact_with_the_weight_copies(tmp_path, objective):
     args = [*BASE, f"objective={objective}", "eval.every=0", "eval.max_prompts=2", "loop.same_latent=false"]
     if objective == "nft":
         args.append("sampler=dpm2")
+    if objective == "dgpo":  # its old copy also rolls out after switch_ema_ref steps (here from iteration 2)
+        args += ["sampler=ode", "objective.trunc_steps=2", "objective.num_times=2", "objective.switch_ema_ref=1",
+                 "objective.ema_ref_rate=0.2"]
     a = run(compose_config("train", [*args, "loop.iterations=3"]), tmp_path / "a")
     run(compose_config("train", [*args, "loop.iterations=2"]), tmp_path / "b")
     b = run(compose_config("train", [*args, "loop.iterations=3",
@@ -260,7 +263,7 @@ def test_resume_is_exact_with_the_weight_copies(tmp_path, objective):
     for p, q in zip(a.policy.trainable_parameters(), b.policy.trainable_parameters()):
         torch.testing.assert_close(p, q, rtol=0, atol=1e-7)
     ca, cb = a.objective.state_dict(), b.objective.state_dict()
-    key = "old" if objective == "nft" else "ema"
+    key = "ema" if objective == "awm" else "old"
     assert ca[key]["num_updates"] == cb[key]["num_updates"] == 3
     for s, u in zip(ca[key]["shadow"], cb[key]["shadow"]):
         torch.testing.assert_close(s, u, rtol=0, atol=1e-7)

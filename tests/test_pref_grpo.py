@@ -316,6 +316,7 @@ def test_one_iteration_trains_with_lora_and_full_finetuning(tmp_path, finetune, 
 
 
 @pytest.mark.slow
+@pytest.mark.extended  # make test-extended (outside CI's 30 minutes)
 def test_two_iterations_of_the_recipe_train(tmp_path):
     import csv
 

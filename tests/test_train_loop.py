@@ -166,6 +166,23 @@ def test_bad_overrides_give_one_line_errors(tmp_path, cli, args, needle):
     assert err[0].startswith("stepflow: error:") and needle in err[0], err[0]
 
 
+#: the newer methods' 2-process cases (each about a minute on 2 cores: make test-extended, outside CI's 30 minutes)
+EXTENDED_DDP = [
+    ("pref_grpo", ["advantage=pref_grpo", "sampler=flow_sde", "reward=pickscore_tiny", "loop.prompts_per_iter=1",
+                   "loop.group_size=8"]),
+    ("e_grpo", ["advantage=e_grpo", "sampler=flow_sde", "reward=pickscore_tiny", "loop.same_latent=true",
+                "train.update_per_step=true", "train.drop_zero_adv=false", "train.train_steps=[0,1]",
+                "advantage.merge=[2,1]", "loop.time_grid=fastvideo"]),
+    ("branchgrpo", ["advantage=branchgrpo", "advantage.split_points=[0,1,2]", "sampler=dance_sde",
+                    "reward=pickscore_tiny", "train.train_steps=null", "loop.prompts_per_iter=1", "loop.group_size=8"]),
+    ("dgpo", ["objective=dgpo", "sampler=ode", "advantage=uniform", "reward=pickscore_tiny", "loop.same_latent=false",
+              "objective.trunc_steps=2", "objective.num_times=2", "train.beta_kl=0.02", "loop.prompts_per_iter=1",
+              "loop.group_size=8", "loop.iterations=2"]),
+    ("online_dpo", ["objective=online_dpo", "advantage=best_worst", "sampler=flow_sde", "reward=pickscore_tiny",
+                    "loop.same_latent=false", "loop.prompts_per_iter=1", "loop.group_size=8", "loop.iterations=2"]),
+]
+
+
 @pytest.mark.slow
 @pytest.mark.xdist_group("multiprocess")  # 2 processes: with test_sharded's, one at a time (make test-slow)
 @pytest.mark.parametrize("extra", [[], ["train.weighting=auto", "train.auto_warmup=0", "reward=pickscore_tiny", "sampler=flow_sde"],
@@ -176,22 +193,18 @@ def test_bad_overrides_give_one_line_errors(tmp_path, cli, args, needle):
                                     "loop.group_size=8"],  # one group over both ranks
                                    ["advantage=g2rpo", "sampler=flow_sde", "reward=pickscore_tiny", "train.update_per_step=true",
                                     "train.train_steps=[0,1]"],
-                                   ["advantage=pref_grpo", "sampler=flow_sde", "reward=pickscore_tiny", "loop.prompts_per_iter=1",
-                                    "loop.group_size=8"],  # win rates over a group on both ranks
-                                   ["advantage=e_grpo", "sampler=flow_sde", "reward=pickscore_tiny", "loop.same_latent=true",
-                                    "train.update_per_step=true", "train.drop_zero_adv=false", "train.train_steps=[0,1]",
-                                    "advantage.merge=[2,1]", "loop.time_grid=fastvideo"],
-                                   ["advantage=branchgrpo", "advantage.split_points=[0,1,2]", "sampler=dance_sde",
-                                    "reward=pickscore_tiny", "train.train_steps=null", "loop.prompts_per_iter=1",
-                                    "loop.group_size=8"]],  # one tree over both ranks
-                         ids=["plain", "auto", "nft", "tempflow", "g2rpo", "pref_grpo", "e_grpo", "branchgrpo"])
+                                   *[pytest.param(x, id=i, marks=pytest.mark.extended) for i, x in EXTENDED_DDP]],
+                         ids=["plain", "auto", "nft", "tempflow", "g2rpo", *[i for i, _ in EXTENDED_DDP]])
 def test_ddp_two_processes_matches_one(tmp_path, extra):
     """2-process DDP on the CPU (gloo) gives the same rewards and advantages as 1 process for the same seeds, and
     the same optimizer step (auto: the per-step gradients are RMS-normalised by their global norms; nft: each row's
     training times and noise follow it to its rank; tempflow / g2rpo: each rank branches its own rows' anchors, the
-    advantages are normalised over every rank's branches, g2rpo takes one optimizer step per trained step; e_grpo:
-    the same with merged steps, whose branch rows carry their spans to each rank's update; branchgrpo: both ranks
-    grow the shared prefix of the tree their leaves split, each trains the edges it owns)."""
+    advantages are normalised over every rank's branches, g2rpo takes one optimizer step per trained step; the newer
+    methods (``extended``: make test-extended): pref_grpo's win rates over a group on both ranks; e_grpo's merged steps,
+    whose branch rows carry their spans to each rank's update; branchgrpo: both ranks grow the shared prefix of the
+    tree their leaves split, each trains the edges it owns; dgpo: one group over both ranks, its weight's sum added
+    over them; online_dpo: a group's winner and loser paired across ranks (both for 2 iterations, so that the
+    second's margins to the reference are not 0))."""
     one, two = tmp_path / "one", tmp_path / "two"
     # adam_eps=1, lr=1: the first Adam step is ~ the gradient itself (not its sign), so weights compare gradients
     common = ["experiment=smoke", "loop.iterations=1", "loop.dump_trajectories=true", "eval.max_prompts=2",

@@ -40,7 +40,7 @@ def update(learner: Learner, traj: Trajectory, adv: Tensor, x0_hat: Tensor | Non
     ``loop.retain_graph``: the terms' velocities are the rollout's, with their graphs; their losses are summed and
     back-propagated once per optimizer step (a graph is freed by its first backward). Returns diagnostics (means
     over terms)."""
-    plan = plan_update(learner, traj, adv, it, steps, weights, seeds, mask)
+    plan = plan_update(learner, traj, adv, it, steps, weights, seeds, mask, groups)
     pol, dist = learner.policy, learner.dist
     times, params = traj.times.to(pol.device), list(pol.trainable_parameters())
     stats = _Stats()  # row-weighted sums, detached 0-d tensors: no host sync until the end of the update
@@ -140,7 +140,8 @@ class OptStep:
 
 
 def plan_update(learner: Learner, traj: Trajectory, adv: Tensor, it: int, steps: list[int] | None = None,
-                weights: Tensor | None = None, seeds: Tensor | None = None, mask: Tensor | None = None) -> TermPlan:
+                weights: Tensor | None = None, seeds: Tensor | None = None, mask: Tensor | None = None,
+                groups: Tensor | None = None) -> TermPlan:
     """The update of iteration ``it`` resolved (:func:`update`): the trained ``steps`` (default the objective's
     :meth:`~stepflow.objectives.base.Objective.trained_steps`; the forward-process objectives: K training times per
     row drawn among them, by :meth:`~stepflow.objectives.base.Objective.begin_update`); the rows kept
@@ -156,7 +157,8 @@ def plan_update(learner: Learner, traj: Trajectory, adv: Tensor, it: int, steps:
     ``mean max(−Aρ, −A clip(ρ, 1 ± ϵ))/(grad_accum·train_timesteps)`` summed over an optimizer step's samples and
     their steps (fastvideo/train_grpo_flux.py L571-611). ``mask``: (B_local, S) bool, the same per-row subset given by
     the caller instead of drawn (the branch rollouts of :mod:`stepflow.core.branch_loop`: each branch row trains its own
-    step only); every row must train the same number of terms.
+    step only); every row must train the same number of terms. ``groups``: (B_local,) the rows' prompt-group ids,
+    given with the advantages to an objective whose rows' losses read their group (``Objective.couples_rows``).
 
     ``train.update_per_step`` (Granular-GRPO): one optimizer step per term, each over the chunk's rows that train
     it (its loss the mean over them, times ``weights[j]``), in the terms' order."""
@@ -174,6 +176,11 @@ def plan_update(learner: Learner, traj: Trajectory, adv: Tensor, it: int, steps:
     seeds = torch.arange(traj.batch_size) if seeds is None else seeds
     if not steps:  # e.g. the ODE sampler: no step has a density, nothing to train
         chunks = []
+    elif obj.couples_rows:  # a group-level preference (DGPO, Diffusion-DPO): its rows' advantages and groups
+        if groups is None:
+            raise ValueError(f"objective={obj.name}: a row's loss reads its prompt group, and the update was given "
+                             "no group ids (groups=)")
+        obj.begin_update(learner, traj, it, seeds, steps, adv=adv, groups=torch.as_tensor(groups))
     else:
         obj.begin_update(learner, traj, it, seeds, steps)
     terms = obj.terms(steps)

@@ -71,6 +71,9 @@ class Objective:
     #: the settings that feed each term of the loss (a key of :meth:`loss`'s output; ``loss``: the total), named when
     #: that term turns non-finite and the run stops (:mod:`stepflow.core.update`); :meth:`fields_of` reads it
     loss_fields: ClassVar[dict[str, tuple[str, ...]]] = {"loss": ("train.lr",), "kl": ("train.beta_kl", "train.lr")}
+    #: a row's loss reads the other rows of its prompt group (a group-level preference: DGPO, Diffusion-DPO), so
+    #: :meth:`begin_update` also receives the update's advantages and the rows' group ids (``adv=``, ``groups=``)
+    couples_rows = False
 
     def __init__(self, train: TrainConfig | None = None, rollout_sampler: str | None = None,
                  same_latent: bool | None = None):
@@ -125,9 +128,12 @@ class Objective:
         """Context under which the rollout (and its x̂0 estimates) run: the behaviour policy's weights."""
         return contextlib.nullcontext()
 
-    def begin_update(self, learner: Any, traj: Any, it: int, seeds: Tensor, steps: Sequence[int]) -> None:
+    def begin_update(self, learner: Any, traj: Any, it: int, seeds: Tensor, steps: Sequence[int],
+                     **batch: Tensor) -> None:
         """Before the update of iteration ``it`` over the trained ``steps``: draw what its terms need. ``seeds``:
-        (B_local,) the rows' noise seeds (a row's draws depend on it alone, not on the rank or the batch)."""
+        (B_local,) the rows' noise seeds (a row's draws depend on it alone, not on the rank or the batch). With
+        :attr:`couples_rows`, ``batch`` holds ``adv`` (B_local, T) and ``groups`` (B_local,) long, the rows' prompt-group
+        ids (one id per group, the same on every rank: a group's rows may sit on several ranks)."""
 
     def end_iteration(self, learner: Any) -> None:
         """After the update (the copies move toward the new weights)."""
@@ -172,7 +178,7 @@ class ForwardObjective(Objective):
         ``gen`` (or, for times every row shares, with ``shared``, seeded alike on every rank)."""
         raise NotImplementedError
 
-    def begin_update(self, learner, traj, it, seeds, steps):
+    def begin_update(self, learner, traj, it, seeds, steps, **batch):
         shape = tuple(traj.latents.shape[2:])
         idx, eps = [], []
         shared_seed = (learner.loop.seed * 1_000_003 + it * 7919 + 11) % (2**63 - 1)
