@@ -171,8 +171,14 @@ def test_bad_overrides_give_one_line_errors(tmp_path, cli, args, needle):
                                     "loop.same_latent=false", "train.weighting=noise", "loop.prompts_per_iter=1",
                                     "loop.group_size=8"],  # one group over both ranks
                                    ["advantage=g2rpo", "sampler=flow_sde", "reward=pickscore_tiny", "train.update_per_step=true",
-                                    "train.train_steps=[0,1]"]],
-                         ids=["plain", "auto", "nft", "tempflow", "g2rpo"])
+                                    "train.train_steps=[0,1]"],
+                                   # gardo: the features, the auxiliary component and the gate over every rank's rows (std_norm: the
+                                   # released unnormalised advantages of the tiny rewards move lora_B under the 1e-5 floor)
+                                   ["advantage=gardo", "objective=gardo", "sampler=flow_sde", "train.beta_kl=0.07",
+                                    "loop.same_latent=false", "reward=multi", "reward@reward.rewards.ocr=pickscore_tiny",
+                                    "reward@reward.rewards.pickscore=pickscore_tiny", "reward.rewards.ocr.seed=1",
+                                    "advantage.aux_components=[ocr]", "advantage.std_norm=true", "loop.prompts_per_iter=4"]],
+                         ids=["plain", "auto", "nft", "tempflow", "g2rpo", "gardo"])
 def test_ddp_two_processes_matches_one(tmp_path, extra):
     """2-process DDP on the CPU (gloo) gives the same rewards and advantages as 1 process for the same seeds, and
     the same optimizer step (auto: the per-step gradients are RMS-normalised by their global norms; nft: each row's
