@@ -178,6 +178,12 @@ EXTENDED_DDP = [
     ("dgpo", ["objective=dgpo", "sampler=ode", "advantage=uniform", "reward=pickscore_tiny", "loop.same_latent=false",
               "objective.trunc_steps=2", "objective.num_times=2", "train.beta_kl=0.02", "loop.prompts_per_iter=1",
               "loop.group_size=8", "loop.iterations=2"]),
+    # gardo: the features, the auxiliary component and the gate over every rank's rows (std_norm: the released
+    # unnormalised advantages of the tiny rewards move lora_B under the 1e-5 floor)
+    ("gardo", ["advantage=gardo", "objective=gardo", "sampler=flow_sde", "train.beta_kl=0.07", "loop.same_latent=false",
+               "reward=multi", "reward@reward.rewards.ocr=pickscore_tiny", "reward@reward.rewards.pickscore=pickscore_tiny",
+               "reward.rewards.ocr.seed=1", "advantage.aux_components=[ocr]", "advantage.std_norm=true",
+               "loop.prompts_per_iter=4"]),
     ("online_dpo", ["objective=online_dpo", "advantage=best_worst", "sampler=flow_sde", "reward=pickscore_tiny",
                     "loop.same_latent=false", "loop.prompts_per_iter=1", "loop.group_size=8", "loop.iterations=2"]),
 ]

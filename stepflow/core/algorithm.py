@@ -198,8 +198,10 @@ def iteration(learner: Learner, it: int) -> IterationResult:
         cred = strategy.credit(learner, col, rewards, plan, ctx)
     with ph("update"):  # the objective's terms (GRPO: clipped ratio + β·KL over the trained steps)
         b = strategy.training_batch(learner, col, cred, mine, ctx)
+        obj.row_info = b.rows  # the credit's per-row data for the objective (e.g. GARDO's KL gate)
         upd = update(learner, b.traj, b.adv, b.x0_hat, it, ctx.trained, b.weights, b.groups, b.measure,
                      seeds=b.seeds, mask=b.mask)
+        obj.update_stats = upd  # what the update logged, for end_iteration (e.g. GARDO's reference reset)
         obj.end_iteration(learner)  # its weight copies move toward the new weights
     upd["train/nonfinite_rewards"] = float(cred.dropped.sum())
     upd.update(strategy.metrics(learner, col, b, ctx))

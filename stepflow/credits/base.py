@@ -9,7 +9,10 @@ A credit is a part (``advantage=<option>``: one class and its YAML). The core as
 - ``trains_window_from_zero``: it reads an SDE window that starts at step 0 (TurningPoint-GRPO);
 
 and calls it: :meth:`Credit.__call__` (rewards (B, T+1) -> :class:`~stepflow.math.advantage.AdvantageOut`) or, for a
-branched credit, :meth:`branch_advantages`. A new scheme overrides :meth:`advantages` (and the flags it changes).
+branched credit, :meth:`branch_advantages`. A new scheme overrides :meth:`advantages` (and the flags it changes); one
+that reads more than the rewards (reward components, features of the final images) names them in :meth:`row_inputs`
+(the rollout strategy gathers them over ranks into :attr:`Credit.inputs`), and one that hands per-row data to the
+objective returns it in :meth:`row_outputs` (``AdvantageOut.rows`` -> ``Objective.row_info``).
 Statistics are float64, advantages float32, clipped to ±``adv_clip``.
 """
 
@@ -96,6 +99,17 @@ class Credit:
         """The steps whose gains are logged (``gain_abs_mean_step{k}``; None: every step)."""
         return None
 
+    def row_inputs(self, learner, col) -> dict[str, Tensor]:
+        """Per-row tensors (B_local, ...) of this rank's rows that :meth:`advantages` reads besides the rewards (``col``:
+        the iteration's :class:`~stepflow.rollouts.base.Collected`: its trajectory and scores). The rollout strategy
+        gathers them over every rank's rows into :attr:`inputs` (rows as the rewards'). Default: none."""
+        return {}
+
+    def row_outputs(self, adv: Tensor) -> dict[str, Tensor]:
+        """Per-row (B,) tensors for the objective (``Objective.row_info``), of the rows :meth:`advantages` just saw,
+        given their clipped advantages ``adv`` (B, T). Default: none."""
+        return {}
+
     def advantages(self, rewards: Tensor, group_ids: Tensor, num_steps: int,
                    trained: list[int]) -> tuple[Tensor, Tensor | None, dict[str, float]]:
         """rewards (B, T+1) -> (advantages (B, T) float32 before clipping, the gains (B, T) float64 or None, extra
@@ -103,9 +117,11 @@ class Credit:
         raise NotImplementedError
 
     def __call__(self, rewards: Tensor, group_ids: Tensor, num_steps: int | None = None,
-                 trained: list[int] | None = None) -> AdvantageOut:
+                 trained: list[int] | None = None, inputs: dict[str, Tensor] | None = None) -> AdvantageOut:
         """rewards: (B, T+1) (only the columns :meth:`states_needed` names are read; others may be NaN);
-        group_ids: (B,) long; num_steps: T (checked against ``rewards``); trained: the trained steps."""
+        group_ids: (B,) long; num_steps: T (checked against ``rewards``); trained: the trained steps; inputs: the
+        gathered :meth:`row_inputs` of the same rows (:attr:`inputs` while :meth:`advantages` runs)."""
+        self.inputs: dict[str, Tensor] = dict(inputs or {})
         if rewards.ndim != 2 or rewards.shape[1] < 2:
             raise ValueError(f"rewards: expected shape (B, T+1), got {tuple(rewards.shape)}")
         t = rewards.shape[1] - 1
@@ -118,7 +134,8 @@ class Credit:
         adv = raw.clamp(-self.adv_clip, self.adv_clip)
         stats = self._stats(raw, adv, g, rewards, group_ids, self.gain_steps(trained))
         stats.update(extra)
-        return AdvantageOut(advantages=adv, gains=None if g is None else g.to(torch.float32), stats=stats)
+        return AdvantageOut(advantages=adv, gains=None if g is None else g.to(torch.float32), stats=stats,
+                            rows=self.row_outputs(adv))
 
     def branch_advantages(self, rewards: Tensor, group_ids: Tensor) -> tuple[Tensor, dict[str, float]]:
         raise ValueError(f"advantage={self.name}: its rewards come from the rollout's own states, not from branches")

@@ -215,11 +215,13 @@ class EmaBaseline:
 class AdvantageOut:
     """advantages: (B, T) float32, clipped to ±adv_clip; gains: (B, T) raw gains or None (uniform);
     stats: python floats (``zero_groups``, ``zero_rows``, ``adv_clip_frac``, ``adv_abs_mean_step{k}``,
-    ``gain_abs_mean_step{k}``, ``gain_mean``, ``telescope_mean`` = mean (R_T − R_0))."""
+    ``gain_abs_mean_step{k}``, ``gain_mean``, ``telescope_mean`` = mean (R_T − R_0)); rows: per-row (B,) tensors
+    the credit hands to the objective (:attr:`stepflow.objectives.base.Objective.row_info`, e.g. GARDO's KL gate)."""
 
     advantages: Tensor
     gains: Tensor | None
     stats: dict[str, float] = field(default_factory=dict)
+    rows: dict[str, Tensor] = field(default_factory=dict)
 
 
 def AdvantageConfig(scheme: str = "gain", **fields):  # noqa: N802 - the name code and tests build credits by

@@ -82,6 +82,11 @@ class Objective:
         need(same_latent is None or isinstance(same_latent, bool), f"same_latent: must be null or a bool, got {same_latent!r}")
         self.train = train if train is not None else TrainConfig()
         self.rollout_sampler, self.same_latent = rollout_sampler, same_latent
+        #: per-row (B_local,) data the credit handed over for this iteration's rows on this rank (``AdvantageOut.rows``;
+        #: set by the iteration before the update; empty when the credit gives none)
+        self.row_info: dict[str, Tensor] = {}
+        #: the update's diagnostics of this iteration (``train/<key>``, over every rank), set before :meth:`end_iteration`
+        self.update_stats: dict[str, float] = {}
 
     @property
     def cfg(self) -> Objective:

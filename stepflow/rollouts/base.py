@@ -77,6 +77,7 @@ class TrainBatch:
     measure: bool = False
     seeds: Tensor | None = None
     mask: Tensor | None = None
+    rows: dict = field(default_factory=dict)  #: per-row (B_local,) data of the credit for the objective (row_info)
 
 
 class RolloutStrategy:

@@ -55,14 +55,16 @@ class TrajectoryRollout(RolloutStrategy):
         return col
 
     def credit(self, learner, col, rewards, plan, ctx) -> Credited:
-        adv, dropped = finite_advantages(learner, rewards, plan.group_ids, ctx.it, ctx.trained)
+        inputs = {k: learner.dist.gather_rows(v) for k, v in learner.advantage.row_inputs(learner, col).items()}
+        adv, dropped = finite_advantages(learner, rewards, plan.group_ids, ctx.it, ctx.trained, inputs)
         return Credited(adv, dropped, adv.advantages)
 
     def training_batch(self, learner, col, cred, mine, ctx) -> TrainBatch:
         w = learner.weighting.weights(learner.sampler, ctx.grid, ctx.trained, cred.out.gains)  # mean 1, or None
         measure = learner.weighting.measures(ctx.it)  # weighting=auto: also the steps of weight 0
         return TrainBatch(col.traj, learner.dist.local_rows(cred.train), col.x0_hat, w, mine.group_ids, measure,
-                          seeds=mine.step_noise_seeds)
+                          seeds=mine.step_noise_seeds,
+                          rows={k: learner.dist.local_rows(v) for k, v in cred.out.rows.items()})
 
     def metrics(self, learner, col, batch, ctx):
         if learner.loop.retain_graph is False:
@@ -85,26 +87,33 @@ def states_needed(learner: Any, trained: list[int], it: int) -> list[int]:
 
 
 def finite_advantages(learner: Any, rewards: Tensor, group_ids: Tensor, it: int,
-                      trained: list[int] | None = None) -> tuple[AdvantageOut, Tensor]:
+                      trained: list[int] | None = None,
+                      inputs: dict[str, Tensor] | None = None) -> tuple[AdvantageOut, Tensor]:
     """Advantages of the rows whose rewards are finite in the columns the scheme reads; a row with a NaN / inf
     reward is dropped from the iteration (advantage 0 at every step, left out of its group's statistics, so the
     update skips it). Returns (advantages of all rows, dropped (B,) bool). More than ``loop.max_nonfinite_frac``
-    dropped rows stop the run (:class:`~stepflow.errors.NonFiniteRewardsError`)."""
+    dropped rows stop the run (:class:`~stepflow.errors.NonFiniteRewardsError`). ``inputs``: the credit's gathered
+    :meth:`~stepflow.credits.base.Credit.row_inputs` (their dropped rows left out alike; its per-row outputs are 0 there)."""
     steps = learner.loop.num_steps
     used = rewards[:, learner.advantage.states_needed(trained or [], steps) or [steps]]
     dropped = ~torch.isfinite(used).all(1)
     n = int(dropped.sum())
     if n == 0:
-        return learner.advantage(rewards, group_ids, steps, trained), dropped
+        return learner.advantage(rewards, group_ids, steps, trained, inputs), dropped
     if n > learner.loop.max_nonfinite_frac * len(rewards):
         raise NonFiniteRewardsError(f"{n} of {len(rewards)} samples of iteration {it} have a NaN / inf reward (more "
                                     f"than loop.max_nonfinite_frac={learner.loop.max_nonfinite_frac}); check the reward "
                                     f"({_describe(learner.reward)})")
     keep = ~dropped
-    out = learner.advantage(rewards[keep], group_ids[keep], steps, trained)
+    out = learner.advantage(rewards[keep], group_ids[keep], steps, trained,
+                            {k: v[keep] for k, v in (inputs or {}).items()})
     full = torch.zeros(len(rewards), steps, dtype=out.advantages.dtype)
     full[keep] = out.advantages
-    return AdvantageOut(full, None, out.stats), dropped
+    rows = {}
+    for k, v in out.rows.items():
+        rows[k] = torch.zeros(len(rewards), *v.shape[1:], dtype=v.dtype)
+        rows[k][keep] = v
+    return AdvantageOut(full, None, out.stats, rows), dropped
 
 
 def estimate(learner: Any, traj: Trajectory, need: list[int], completion: bool = False) -> Tensor | None:
