@@ -1,4 +1,4 @@
-"""DGPO, Direct Group Preference Optimization (Luo-Yihong/DGPO@01ceb4b, arXiv 2510.08425; docs/methods_new/dgpo.md):
+"""DGPO, Direct Group Preference Optimization (Luo-Yihong/DGPO@01ceb4b, arXiv 2510.08425; docs/method.md §15.5):
 a group-level DPO on the denoising-score-matching (flow-matching) errors of the rollout's final samples against a
 frozen reference, with no policy gradient and no log-probs (a forward-process objective, like NFT and AWM).
 

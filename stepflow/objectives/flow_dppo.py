@@ -9,7 +9,7 @@ commit a1139ba) and Tencent-Hunyuan/UniRL ``_flowdppo_kl_adv_loss`` (unirl/algor
     L_k = mean_i ( −A_i·ρ_i if not drop_i else 0 )
 
 ``add_kl_coefficient=False`` measures ``D = mean_dims (μ_θ − μ_old)² / 2`` instead. μ_old is the rollout's step mean
-(re-made from the rollout's velocity: the same step, no extra NFE), s the sampler's step std (docs/methods_new/flow_dppo.md).
+(re-made from the rollout's velocity: the same step, no extra NFE), s the sampler's step std (docs/method.md §15.7).
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Online Diffusion-DPO on each prompt group's best and worst sample (yifan123/flow_grpo@ac4c86e
-scripts/train_sd3_dpo.py, config/dpo.py; Flow-Factory ``dpo``; docs/methods_new/online_dpo.md).
+scripts/train_sd3_dpo.py, config/dpo.py; Flow-Factory ``dpo``; docs/method.md §15.6).
 
 Per group the winner w and the loser l (the max / min advantage: with ``advantage=best_worst`` the release's
 ``PerPromptStatTracker(type='dpo')``, +1 / −1 / 0) are re-noised with one noise ε and one time t (per pair and
