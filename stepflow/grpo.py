@@ -135,44 +135,11 @@ class GRPOModule(L.LightningModule):
     # ------------------------------------------------------------------ the iteration
     def on_train_start(self) -> None:
         stop.reclaim()  # after the Trainer installed its own SIGTERM handler (a collective inside a signal handler)
-        self._check_resume_trains()
+        run_state.check_resume_trains(self)
         if self.global_rank == 0:
             self._pbar = Progress(self)
         if (self.iteration == 0 and self.eval_cfg.at_start) or self.eval_pending:
             self._evaluate()
-
-    def _check_resume_trains(self) -> None:
-        """A resume whose ``loop.budget`` / ``loop.iterations`` is below what the run already did would train
-        nothing and exit as a finished run: refused in one line (a finished run resumed with its own settings, a
-        requeue of ``ckpt_path=auto``, is not: its run's ``config.yaml`` says it was done)."""
-        if self.iteration == 0 or self.eval_pending:
-            return
-        by_budget, by_iterations = self._budget_spent(), self.iteration >= self.loop.iterations
-        if not (by_budget or by_iterations):
-            return
-        try:
-            import yaml
-
-            saved = (yaml.safe_load((self.run_dir / "config.yaml").read_text()) or {}).get("loop") or {}
-            old_budget = parse_budget(saved.get("budget"))
-            was_done = self.iteration >= int(saved.get("iterations", 0)) or (
-                old_budget is not None and old_budget.spent_all(self.spent))
-        except (OSError, ValueError, TypeError, AttributeError, ImportError):
-            return  # no readable record of the run's own settings: nothing to compare
-        if was_done:
-            return
-        from stepflow.errors import StepflowError
-
-        if by_budget:
-            spent = self.spent[self.budget.kind]
-            done = f"{spent:,.0f} forward-equivalent NFEs" if self.budget.kind == "nfe" else f"{spent:.0f} s of training"
-            raise StepflowError(f"loop.budget: this resume's budget ({self.budget}) is below what the run already spent "
-                                f"({done} in {self.iteration} iterations), so it would train nothing; give loop.budget "
-                                f"above that (the run's own: {saved.get('budget')}) or start a new run")
-        raise StepflowError(f"loop.iterations: this resume's loop.iterations={self.loop.iterations} is not above the "
-                            f"iterations the run already did ({self.iteration}), so it would train nothing; give "
-                            f"loop.iterations > {self.iteration} (the run's own: {saved.get('iterations')}) or start a "
-                            "new run")
 
     def on_train_end(self) -> None:
         if self._pbar is not None:

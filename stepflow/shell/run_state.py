@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import torch
 
+from stepflow.core.budget import parse_budget
+
 
 def save(module) -> dict:
     """The run state of ``module`` (a GRPOModule), for ``checkpoint["stepflow"]``."""
@@ -57,3 +59,38 @@ def count(module, m: dict[str, float], dist) -> None:
     m["cost/nfe_fwd_equiv_total"], m["cost/train_seconds_total"] = module.spent["nfe"], module.spent["seconds"]
     if module.budget is not None:
         m["budget/fraction"] = module.budget.fraction(module.spent)
+
+
+def check_resume_trains(module) -> None:
+    """At the start of training (``module``: a GRPOModule): a resume whose ``loop.budget`` / ``loop.iterations`` is
+    below what the run already did would train nothing and exit as a finished run: refused in one line (a finished
+    run resumed with its own settings, a requeue of ``ckpt_path=auto``, is not: its ``config.yaml`` says it was
+    done)."""
+    if module.iteration == 0 or module.eval_pending:
+        return
+    by_budget, by_iterations = module._budget_spent(), module.iteration >= module.loop.iterations
+    if not (by_budget or by_iterations):
+        return
+    try:
+        import yaml
+
+        saved = (yaml.safe_load((module.run_dir / "config.yaml").read_text()) or {}).get("loop") or {}
+        old_budget = parse_budget(saved.get("budget"))
+        was_done = module.iteration >= int(saved.get("iterations", 0)) or (
+            old_budget is not None and old_budget.spent_all(module.spent))
+    except (OSError, ValueError, TypeError, AttributeError, ImportError):
+        return  # no readable record of the run's own settings: nothing to compare
+    if was_done:
+        return
+    from stepflow.errors import StepflowError
+
+    if by_budget:
+        spent = module.spent[module.budget.kind]
+        done = f"{spent:,.0f} forward-equivalent NFEs" if module.budget.kind == "nfe" else f"{spent:.0f} s of training"
+        raise StepflowError(f"loop.budget: this resume's budget ({module.budget}) is below what the run already spent "
+                            f"({done} in {module.iteration} iterations), so it would train nothing; give loop.budget "
+                            f"above that (the run's own: {saved.get('budget')}) or start a new run")
+    raise StepflowError(f"loop.iterations: this resume's loop.iterations={module.loop.iterations} is not above the "
+                        f"iterations the run already did ({module.iteration}), so it would train nothing; give "
+                        f"loop.iterations > {module.iteration} (the run's own: {saved.get('iterations')}) or start a "
+                        "new run")
