@@ -118,22 +118,29 @@ class GroupPreference(ForwardObjective):
                         guidance: Sequence[float], keep: int | None = None):
         """The DSM errors (each (R,)) of the weights in ``copies`` (``"policy"``: the current weights; None: π_ref;
         a :class:`ParamCopy`) at ``term`` of ``rows``, in micro-batches, without grad; ``keep``: the index in
-        ``copies`` whose velocities are also returned ((R, C, H, W)), else None."""
+        ``copies`` whose velocities are also returned ((R, C, H, W)), else None. Under a lockstep strategy (FSDP2,
+        DeepSpeed) a rank with fewer micro-batches (online DPO: fewer pair rows) runs discarded pads on row 0."""
         pol = learner.policy
         errs: list[list[Tensor]] = [[] for _ in copies]
         kept: list[Tensor] = []
+        mbs = [mb for mb in rows.split(max(1, learner.train.micro_batch_size)) if len(mb)]  # a rank may hold none
+        pads = 0
+        if learner.dist.lockstep:  # FSDP2 / DeepSpeed: every forward is a collective, as many on every rank
+            pads = int(learner.dist.all_max(len(mbs))) - len(mbs)
         with torch.no_grad():
-            for mb in rows.split(max(1, learner.train.micro_batch_size)):
+            for i, mb in enumerate(mbs + [torch.zeros(1, dtype=torch.long)] * pads):
                 x0, eps, t, x_t, cond = self._point(learner, traj, term, mb)
-                for i, (c, gw) in enumerate(zip(copies, guidance)):
+                for c_i, (c, gw) in enumerate(zip(copies, guidance)):
                     if isinstance(c, str):
                         ctx = contextlib.nullcontext()
                     else:
                         ctx = pol.reference() if c is None else c.applied()
                     with ctx:
                         v = pol.velocity(x_t, t, cond, gw)
-                    errs[i].append(dsm_loss(v, eps - x0))
-                    if keep == i:
+                    if i >= len(mbs):  # a lockstep pad: computed, not kept
+                        continue
+                    errs[c_i].append(dsm_loss(v, eps - x0))
+                    if keep == c_i:
                         kept.append(v)
         dev = pol.device
         out = [torch.cat(e) if e else torch.zeros(0, device=dev) for e in errs]
