@@ -184,7 +184,9 @@ EXTENDED_DDP = [
                "reward=multi", "reward@reward.rewards.ocr=pickscore_tiny", "reward@reward.rewards.pickscore=pickscore_tiny",
                "reward.rewards.ocr.seed=1", "advantage.aux_components=[ocr]", "advantage.std_norm=true",
                "loop.prompts_per_iter=4"]),
-    ("online_dpo", ["objective=online_dpo", "advantage=best_worst", "sampler=flow_sde", "reward=pickscore_tiny",
+    # online_dpo: the pair of a group's max / min advantage found over both ranks (uniform credit: every row has
+    # one, so pairs found per rank would be two)
+    ("online_dpo", ["objective=online_dpo", "advantage=uniform", "sampler=flow_sde", "reward=pickscore_tiny",
                     "loop.same_latent=false", "loop.prompts_per_iter=1", "loop.group_size=8", "loop.iterations=2"]),
 ]
 
