@@ -175,7 +175,7 @@ def test_bad_overrides_give_one_line_errors(tmp_path, cli, args, needle):
                                    ["objective=dgpo", "sampler=ode", "advantage=uniform", "reward=pickscore_tiny",
                                     "loop.same_latent=false", "objective.trunc_steps=2", "objective.num_times=2",
                                     "train.beta_kl=0.02", "loop.prompts_per_iter=1", "loop.group_size=8", "loop.iterations=2"],
-                                   ["objective=online_dpo", "advantage=best_worst", "sampler=flow_sde", "reward=pickscore_tiny",
+                                   ["objective=online_dpo", "advantage=uniform", "sampler=flow_sde", "reward=pickscore_tiny",
                                     "loop.same_latent=false", "loop.prompts_per_iter=1", "loop.group_size=8", "loop.iterations=2"]],
                          ids=["plain", "auto", "nft", "tempflow", "g2rpo", "dgpo", "online_dpo"])
 def test_ddp_two_processes_matches_one(tmp_path, extra):
@@ -183,7 +183,8 @@ def test_ddp_two_processes_matches_one(tmp_path, extra):
     the same optimizer step (auto: the per-step gradients are RMS-normalised by their global norms; nft: each row's
     training times and noise follow it to its rank; tempflow / g2rpo: each rank branches its own rows' anchors, the
     advantages are normalised over every rank's branches, g2rpo takes one optimizer step per trained step; dgpo: one
-    group over both ranks, its weight's sum added over them; online_dpo: a group's winner and loser paired across ranks;
+    group over both ranks, its weight's sum added over them; online_dpo: the pair of a group's max / min advantage found
+    over both ranks (uniform credit: every row has one, so pairs found per rank would be two);
     both for 2 iterations, so that the second's margins to the reference are not 0)."""
     one, two = tmp_path / "one", tmp_path / "two"
     # adam_eps=1, lr=1: the first Adam step is ~ the gradient itself (not its sign), so weights compare gradients
