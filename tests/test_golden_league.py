@@ -45,7 +45,7 @@ def _iteration_row(metrics_csv: Path, iteration: int = 1) -> dict[str, float]:
     return out
 
 
-@pytest.mark.parametrize("recorded, size", [pytest.param(RECIPES, "full", marks=pytest.mark.golden_full),
+@pytest.mark.parametrize("recorded, size", [pytest.param(RECIPES, "full", marks=[pytest.mark.slow, pytest.mark.golden_full]),
                                             (SMALL, "small")])
 def test_every_league_recipe_is_recorded(recorded, size):
     files = sorted(p.stem for p in LEAGUE.glob("*.yaml"))
