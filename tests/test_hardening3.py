@@ -75,9 +75,7 @@ def _resumed(tmp_path: Path, saved_loop: dict, iteration: int, spent: float, **l
 
 
 def test_a_resume_that_would_train_nothing_is_refused(tmp_path):
-    from stepflow.grpo import GRPOModule
-
-    check = GRPOModule._check_resume_trains
+    from stepflow.shell.run_state import check_resume_trains as check
     with pytest.raises(StepflowError, match=r"^loop\.budget: this resume's budget \(300 forward-equivalent NFEs\) "
                                             r"is below what the run already spent \(640 .*give loop\.budget above"):
         check(_resumed(tmp_path, {"iterations": 5000, "budget": 3000}, 2, 640.0, budget=300))
