@@ -1,7 +1,7 @@
 """Flow-DPPO (objective=flow_dppo, stepflow/objectives/flow_dppo.py): the masked surrogate against transcriptions of
 the two releases' lines (plain torch, written independently of our code), the term as the iteration wires it (μ_old
 from the rollout's velocity, the sampler's std), the NFEs it spends, the recipe, the refusals, LoRA and full
-fine-tuning, and two iterations of the league recipe from the command line.
+fine-tuning (the recipe's command-line run: tests/test_league_recipes_cli.py).
 
 References read:
 - verl-project/verl-omni@a1139bafffb5b9711f0a6b6edff8ecaa60bfff30 verl_omni/trainer/diffusion/diffusion_algos.py
@@ -12,13 +12,12 @@ References read:
 
 from __future__ import annotations
 
-import csv
 import math
 
 import pytest
 import torch
 
-from stepflow.testing.harness import compose_config, run_cli
+from stepflow.testing.harness import compose_config, one_line_error
 
 BASE = ["experiment=smoke", "reward=pickscore_tiny", "objective=flow_dppo", "sampler=flow_sde", "advantage=uniform",
         "loop.same_latent=false"]
@@ -256,9 +255,7 @@ def test_league_recipe_composes_with_the_released_settings():
 ])
 def test_settings_flow_dppo_cannot_use_are_one_line(cli, overrides, field):
     r = cli("stepflow.train", *BASE, *overrides)
-    assert r.returncode != 0
-    line = r.stderr.strip().splitlines()[-1]
-    assert line.startswith(f"stepflow: error: {field}"), line
+    assert one_line_error(r, field).startswith(f"stepflow: error: {field}")
 
 
 @pytest.mark.parametrize("finetune", ["lora", "full"])
@@ -271,17 +268,3 @@ def test_trains_with_lora_and_full_finetuning(tmp_path, finetune):
     res = m.iterate()
     assert math.isfinite(res["train/policy_loss"]) and math.isfinite(res["train/grad_norm"]) and res["train/grad_norm"] > 0
     assert any(float((p - q).abs().max()) > 0 for p, q in zip(m.learner.policy.trainable_parameters(), before))
-
-
-@pytest.mark.slow
-@pytest.mark.extended  # make test-extended (outside CI's 30 minutes)
-def test_league_recipe_trains_two_iterations_from_the_command_line(tmp_path):
-    r = run_cli("stepflow.train", "experiment=league/flow_dppo", "loop.iterations=2", "eval.every=0",
-                "eval.at_start=false", "eval.max_prompts=8", f"hydra.run.dir={tmp_path}", timeout=600)
-    assert r.returncode == 0, r.stderr[-3000:]
-    rows = [x for x in csv.DictReader((tmp_path / "metrics.csv").open()) if x.get("train/reward_mean")]
-    assert len(rows) == 2
-    for x in rows:
-        # the objective's loss is logged as train/policy_loss (+ train/kl): the update pops the summed "loss"
-        for key in ("train/grad_norm", "train/reward_mean", "train/policy_loss", "train/dppo_kl", "train/clip_frac"):
-            assert math.isfinite(float(x[key])), key

@@ -313,19 +313,3 @@ def test_one_iteration_trains_with_lora_and_full_finetuning(tmp_path, finetune, 
     assert m["train/samples_trained"] > 0 and math.isfinite(m["train/grad_norm"]) and m["train/grad_norm"] > 0
     assert math.isfinite(m["train/policy_loss"])
     assert max(float((params[n].detach() - b).abs().max()) for n, b in before.items()) > 0
-
-
-@pytest.mark.slow
-@pytest.mark.extended  # make test-extended (outside CI's 30 minutes)
-def test_two_iterations_of_the_recipe_train(tmp_path):
-    import csv
-
-    r = run_cli("stepflow.train", "experiment=league/pref_grpo", "loop.iterations=2", "eval.every=0", "eval.at_start=false",
-                "eval.max_prompts=8", f"hydra.run.dir={tmp_path}", timeout=900)
-    assert r.returncode == 0, r.stderr[-3000:]
-    rows = [row for row in csv.DictReader((tmp_path / "metrics.csv").open()) if row.get("cost/nfe")]
-    assert len(rows) == 2
-    for row in rows:
-        for k in ("train/grad_norm", "train/reward_mean", "train/policy_loss"):
-            assert math.isfinite(float(row[k])), k
-        assert float(row["cost/nfe_rollout"]) == 64 * 10

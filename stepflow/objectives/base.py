@@ -22,7 +22,15 @@ from stepflow.math.sde import step_std
 if TYPE_CHECKING:
     from stepflow.samplers.base import Sampler
 
-__all__ = ["Objective", "ForwardObjective", "trainable_steps", "policy_velocity"]
+__all__ = ["Objective", "ForwardObjective", "trainable_steps", "policy_velocity", "transition"]
+
+
+def transition(traj: Any, rows: Tensor, k: int, times: Tensor, device: Any) -> tuple[Tensor, Tensor, Tensor, Tensor, Any]:
+    """The rollout's transition of ``rows`` at step k, on ``device``: ``(X_k, X_end, τ_k, τ_end, cond)``, where
+    ``end`` is k + 1, or τ_{k+m} for a merged step (``Trajectory.step_end``: a sampler that jumps m grid steps)."""
+    end = traj.step_end(k) if hasattr(traj, "step_end") else k + 1
+    return (traj.latents[rows, k].to(device), traj.latents[rows, end].to(device), times[k], times[end],
+            traj.cond.index(rows).to(device))
 
 
 def policy_velocity(learner: Any, traj: Any, k: int, rows: Tensor, x_k: Tensor, t: Tensor, cond: Any) -> Tensor:

@@ -19,7 +19,7 @@ from torch import Tensor
 
 from stepflow.math.loss import gaussian_kl
 from stepflow.math.sde import sde_step
-from stepflow.objectives.base import Objective, need, policy_velocity
+from stepflow.objectives.base import Objective, need, policy_velocity, transition
 
 __all__ = ["FlowDppo", "dppo_divergence", "dppo_loss"]
 
@@ -76,10 +76,7 @@ class FlowDppo(Objective):
 
     def loss(self, learner, traj, adv, term, rows, times, x0_hat):
         o, pol, dev, k = self.train, learner.policy, learner.policy.device, term
-        x_k = traj.latents[rows, k].to(dev)
-        cond = traj.cond.index(rows).to(dev)
-        t, t_next = times[k], times[k + 1]
-        x_next = traj.latents[rows, k + 1].to(dev)
+        x_k, x_next, t, t_next, cond = transition(traj, rows, k, times, dev)  # a merged step: to τ_{k+m}
         ref_mean = None
         if o.beta_kl > 0:  # before the policy's forward (FSDP2: no module forward between a forward and its backward)
             with torch.no_grad(), pol.reference():

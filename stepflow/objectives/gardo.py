@@ -24,7 +24,7 @@ import torch
 from stepflow.core.ema import ParamCopy
 from stepflow.math.loss import gaussian_kl, grpo_surrogate
 from stepflow.math.sde import sde_step
-from stepflow.objectives.base import Objective, need, policy_velocity
+from stepflow.objectives.base import Objective, need, policy_velocity, transition
 
 __all__ = ["Gardo"]
 
@@ -77,10 +77,7 @@ class Gardo(Objective):
 
     def loss(self, learner, traj, adv, term, rows, times, x0_hat):
         o, pol, dev, k = self.train, learner.policy, learner.policy.device, term
-        x_k = traj.latents[rows, k].to(dev)
-        cond = traj.cond.index(rows).to(dev)
-        t, t_next = times[k], times[k + 1]
-        x_next = traj.latents[rows, k + 1].to(dev)
+        x_k, x_next, t, t_next, cond = transition(traj, rows, k, times, dev)  # a merged step: to τ_{k+m}
         with torch.no_grad(), self.ref.applied():  # π_ref before the policy's forward (as Grpo: FSDP2's order)
             v_ref = pol.velocity(x_k, t, cond, learner.guidance)
             ref_mean = sde_step(learner.sampler, x_k, v_ref, t, t_next, t_guard=times[1], prev_sample=x_next).mean

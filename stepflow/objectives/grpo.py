@@ -10,7 +10,7 @@ from torch import Tensor
 from stepflow.core.rollout import model_velocity
 from stepflow.math.loss import distill_loss, guard_log_ratio, policy_loss
 from stepflow.math.sde import sde_step
-from stepflow.objectives.base import Objective, need, policy_velocity
+from stepflow.objectives.base import Objective, need, policy_velocity, transition
 
 __all__ = ["Grpo", "Distill"]
 
@@ -26,11 +26,7 @@ class Grpo(Objective):
 
     def loss(self, learner, traj, adv, term, rows, times, x0_hat):
         o, pol, dev, k = self.train, learner.policy, learner.policy.device, term
-        x_k = traj.latents[rows, k].to(dev)
-        cond = traj.cond.index(rows).to(dev)
-        end = traj.step_end(k) if hasattr(traj, "step_end") else k + 1  # a merged step lands at τ_{k+m}
-        t, t_next = times[k], times[end]
-        x_next = traj.latents[rows, end].to(dev)
+        x_k, x_next, t, t_next, cond = transition(traj, rows, k, times, dev)  # a merged step: to τ_{k+m}
         vel = model_velocity(pol, cond, learner.guidance)  # a predictor-corrector step's own evaluations (lc_langevin)
         ref_mean = None
         if o.beta_kl > 0:  # before the policy's forward: FSDP2 must not run a module forward between a forward
