@@ -259,15 +259,29 @@ def run_dirs(root: str | Path) -> list[Path]:
     return sorted(found)
 
 
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0] if text else ''}"[:200]
+
+
 def find_runs(root: str | Path) -> list[Run]:
     """Every run directory under ``root`` (see :func:`run_dirs`) loaded as a :class:`Run`."""
     root = Path(root)
     runs = []
     for d in run_dirs(root):
         try:
-            run = Run.load(d)
-        except (OSError, yaml.YAMLError, csv.Error) as e:
-            print(f"report: skipping {d}: {e}", file=sys.stderr)
+            cfg = yaml.safe_load((d / "config.yaml").read_text()) or {}
+            if not isinstance(cfg, dict):
+                raise ValueError("not a mapping")
+        except (OSError, ValueError, yaml.YAMLError) as e:  # UnicodeDecodeError is a ValueError
+            print(f"report: skipping {d}: config.yaml cannot be read ({_first_line(e)}); rerun the run or remove it",
+                  file=sys.stderr)
+            continue
+        try:
+            run = Run(path=d, config=cfg, rows=read_metrics(d / "metrics.csv"))
+        except (OSError, ValueError, csv.Error) as e:
+            print(f"report: skipping {d}: metrics.csv cannot be read ({_first_line(e)}); rerun the run or remove it",
+                  file=sys.stderr)
             continue
         run.ablation = root.name if d.parent == root or d == root else str(d.parent.relative_to(root))
         runs.append(run)

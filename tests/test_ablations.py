@@ -473,3 +473,19 @@ def test_report_plots_the_per_step_weights_of_auto_runs(tmp_path):
     md = report.build_report(tmp_path / "sweep")
     assert (md.parent / "auto_step_weights.png").read_bytes()[:4] == b"\x89PNG" and "(auto_step_weights.png)" in md.read_text()
     assert report.step_weight_curves([r for r in runs if False]) == ([], [], [])
+
+
+@pytest.mark.parametrize("broken, what", [("config.yaml", b"seed: [1\n"), ("config.yaml", b"- a list\n"),
+                                          ("metrics.csv", bytes(range(128, 256))), ("metrics.csv", b"iteration,eval/geneval\n1,0.5\n2,\xff\xfe\n")])
+def test_the_report_skips_a_run_it_cannot_read_in_one_line(tmp_path, capsys, broken, what):
+    """A corrupt config.yaml or metrics.csv (binary bytes, a NUL, a YAML that is not a mapping) leaves that run out
+    with one line naming the run and the file; the other runs are reported."""
+    abl = tmp_path / "sweep" / "credit"
+    for seed in (0, 1):
+        _write_run(abl / f"advantage=gain,seed={seed}", _cfg("gain", seed), {0: 0.2, 4: 0.5}, 4)
+    (abl / "advantage=gain,seed=1" / broken).write_bytes(what)
+    runs = report.find_runs(tmp_path / "sweep")
+    assert [r.path.name for r in runs] == ["advantage=gain,seed=0"]
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "seed=1" in err[0] and f"{broken} cannot be read" in err[0], err
+    assert report.build_report(tmp_path / "sweep").is_file()
