@@ -534,12 +534,31 @@ def finalize_run_dir(cfg, run_dir: str | Path) -> dict[str, Any]:
     return summary
 
 
+#: what ``finalize_only`` reads: the selection, its evaluations, the export (the rest configures training)
+FINALIZE_READS = ("finalize_only", "select", "eval", "export", "export_dir", "seed", "torch_threads", "out_dir")
+
+
+def inert_under_finalize(overrides) -> None:
+    """``finalize_only=<run dir>`` trains nothing: a command-line setting of training (``trainer.*``, ``optim.*``,
+    ``data.*``, ...) would be ignored, so it is refused in one line naming it."""
+    from stepflow.errors import StepflowError
+
+    for o in overrides:
+        key = o.lstrip("+~").split("=", 1)[0]
+        if key.split(".", 1)[0] not in FINALIZE_READS and not key.startswith("hydra"):
+            raise StepflowError(f"{key}: finalize_only only re-scores, selects and exports a finished run's checkpoints "
+                                f"(it reads {', '.join(FINALIZE_READS[1:])}), so {key} would be ignored; drop it, or "
+                                "train with it (without finalize_only)")
+
+
 @entry_point("pretrain")
 def main(cfg) -> None:
     from hydra.core.hydra_config import HydraConfig
     from omegaconf import OmegaConf
 
     s = settings(cfg)  # every field checked before anything is built
+    if s.finalize_only:
+        inert_under_finalize(HydraConfig.get().overrides.task)
     if not s.out_dir:
         s.out_dir = HydraConfig.get().runtime.output_dir
     log.info("config:\n%s", OmegaConf.to_yaml(OmegaConf.structured(s)))

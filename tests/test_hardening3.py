@@ -443,3 +443,27 @@ def test_a_run_dir_hydra_cannot_log_into_is_one_line(tmp_path, capsys, monkeypat
     assert capsys.readouterr().err.strip() == (f"stepflow: error: hydra.run.dir: cannot write into {tmp_path / 'ro'} "
                                                f"(Read-only file system: {tmp_path / 'ro'}); give a directory that can "
                                                "be written, hydra.run.dir=<dir>")
+
+
+@pytest.mark.parametrize("override, refused", [
+    ("trainer.max_steps=10", "trainer.max_steps"), ("optim.lr=1e-3", "optim.lr"), ("+data.foo=1", "data.foo"),
+    ("arch.width=8", "arch.width"), ("select.enabled=true", None), ("eval.max_prompts=4", None), ("export=true", None),
+    ("hydra.run.dir=/x", None), ("seed=3", None),
+])
+def test_pretrain_finalize_only_refuses_training_settings_it_would_ignore(override, refused):
+    from stepflow.pretrain import inert_under_finalize
+
+    if refused is None:
+        inert_under_finalize([override])
+        return
+    with pytest.raises(StepflowError, match=rf"^{refused}: finalize_only .* so {refused} would be ignored; drop it"):
+        inert_under_finalize([override])
+
+
+def test_pretrain_finalize_only_with_a_training_setting_is_one_line_from_the_command_line(cli, tmp_path):
+    """Before anything loads: the run dir given need not even exist."""
+    from stepflow.testing.harness import one_line_error
+
+    r = cli("stepflow.pretrain", f"finalize_only={tmp_path / 'nowhere'}", "trainer.max_steps=5",
+            f"hydra.run.dir={tmp_path / 'out'}")
+    one_line_error(r, "trainer.max_steps: finalize_only")
