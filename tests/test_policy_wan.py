@@ -284,7 +284,7 @@ def _video(b=2, f=9):
 
 @pytest.mark.parametrize("frames,kw,expect", [
     ("stride", {"stride": 4}, [0, 4, 8]), ("first", {}, [0]), ("last", {}, [8]), ("all", {}, list(range(9))),
-    ("uniform", {"count": 3}, [0, 4, 8]), ("indices", {"indices": [1, -1]}, [1, 8])])
+    ("spaced", {"count": 3}, [0, 4, 8]), ("indices", {"indices": [1, -1]}, [1, 8])])
 def test_frame_reward_is_the_mean_of_the_sampled_frames(frames, kw, expect):
     from stepflow.rewards.frames import FrameReward
 

@@ -7,7 +7,7 @@ drops frames scoring 0 from the mean, which is not reproduced here), DanceGRPO s
 
 - ``stride`` (default, Flow-GRPO's): frames ``0, k, 2k, ...`` (``reward.stride=k``, default 4);
 - ``first`` (DanceGRPO's): frame 0 only; ``last``: the last frame; ``all``: every frame;
-- ``uniform``: ``reward.count`` frames evenly spaced from the first to the last (``round(linspace(0, F-1, count))``);
+- ``spaced``: ``reward.count`` frames evenly spaced from the first to the last (``round(linspace(0, F-1, count))``);
 - ``indices``: the listed frames (``reward.indices=[0,8,16]``; negative counts from the end).
 
 The sampled frames of every video are scored in one call of the image reward (B·n images, each with its video's
@@ -27,7 +27,7 @@ from stepflow.rewards.base import Reward, RewardOut
 
 __all__ = ["FRAME_SAMPLING", "FrameReward", "frame_indices"]
 
-FRAME_SAMPLING = ("stride", "first", "last", "all", "uniform", "indices")
+FRAME_SAMPLING = ("stride", "first", "last", "all", "spaced", "indices")
 
 
 def frame_indices(num_frames: int, frames: str = "stride", stride: int = 4, count: int | None = None,
@@ -43,7 +43,7 @@ def frame_indices(num_frames: int, frames: str = "stride", stride: int = 4, coun
         return [f - 1]
     if frames == "all":
         return list(range(f))
-    if frames == "uniform":
+    if frames == "spaced":
         n = min(int(count), f)
         return sorted({int(round(x)) for x in torch.linspace(0, f - 1, n).tolist()})
     if frames == "indices":
@@ -76,8 +76,8 @@ class FrameReward(Reward):
             raise StepflowError(f"reward.frames: must be one of {', '.join(FRAME_SAMPLING)}, got {frames!r}")
         if frames == "stride" and not (isinstance(stride, int) and not isinstance(stride, bool) and stride >= 1):
             raise StepflowError(f"reward.stride: must be an integer >= 1 (every stride-th frame), got {stride!r}")
-        if frames == "uniform" and not (isinstance(count, int) and not isinstance(count, bool) and count >= 1):
-            raise StepflowError(f"reward.count: frames=uniform needs a frame count >= 1, got {count!r}")
+        if frames == "spaced" and not (isinstance(count, int) and not isinstance(count, bool) and count >= 1):
+            raise StepflowError(f"reward.count: frames=spaced needs a frame count >= 1, got {count!r}")
         if frames == "indices" and not indices:
             raise StepflowError("reward.indices: frames=indices needs a non-empty list of frames, e.g. [0, 8, 16]")
         try:
@@ -98,7 +98,7 @@ class FrameReward(Reward):
         self.batch_size = max(1, inner.batch_size)  # videos per call of score(): their frames go to the image reward
 
     def describe(self) -> str:
-        how = {"stride": f"every {self.stride}th frame", "uniform": f"{self.count} evenly spaced frames",
+        how = {"stride": f"every {self.stride}th frame", "spaced": f"{self.count} evenly spaced frames",
                "indices": f"frames {self.indices}"}.get(self.frames, f"the {self.frames} frame(s)")
         return f"reward={self.name} (the mean of {self.image.describe()} over {how})"
 
