@@ -9,6 +9,10 @@
 #   4. big          gpu_check.py gain only, T 6: sd35_large lora, flux_dev lora, qwen_image lora,
 #                   sd35_large full (flux_dev / qwen_image full: estimated not to fit in 141 GB, skipped)     ~155 s
 #   5. strat_full   as 3 with model.finetune=full (no checkpoint file, no weights written)                    ~120 s
+#   6. wan          video: python -m stepflow.train model=wan21_t2v_random (1.4 B) LoRA and full, wan22_t2v_random
+#                   (two 14 B experts) LoRA, trainer=ddp, 256 x 448 px, 17 frames (5 latent frames, 2240 tokens),
+#                   reward=frames over the stand-in image reward, one iteration each (B 4, T 4, gain); rows of
+#                   strategies.tsv named wan21_t2v/wan22_t2v. Last in the default parts: skipped when time is out  ~150 s
 #
 # Estimates: a transformer forward of B samples at 512 px costs 2 x (per-token weights) x tokens per sample
 # (SD3.5-M ~5 TFLOP, SD3.5-L ~15, FLUX.1-dev ~28 with 512 T5 tokens, Qwen-Image ~29), a checkpointed training step
@@ -55,7 +59,7 @@ if [ "${1:-}" = "--fetch-wheels" ]; then
 fi
 
 TINY=${GPU_CHECK_TINY:-0}
-PARTS=${GPU_CHECK_PARTS:-env sd35m strat_lora big strat_full}
+PARTS=${GPU_CHECK_PARTS:-env sd35m strat_lora big strat_full wan}
 TOTAL=${GPU_CHECK_TOTAL_S:-540}
 OUT=${OUT:-outputs/gpu_check/$(date +%Y%m%d-%H%M%S)}
 RUNS=${RUNS:-/tmp/stepflow_gpu_check}
@@ -115,28 +119,34 @@ else
   TRAINER=()
 fi
 
-# the command of one CLI run (strategy, finetune) -> CMD
+# the command of one CLI run (strategy, finetune[, model]) -> CMD
 cli_cmd() {
-  local s=$1 ft=$2
-  local extra=()
+  local s=$1 ft=$2 model=${3:-sd35_medium_random}
+  local extra=() reward=('~reward=shapes_geneval' +reward._target_=stepflow.testing.random_policies.StandInReward)
+  if [[ $model == wan* ]]; then  # a video model: the stand-in image reward on every 4th frame (reward=frames)
+    reward=(reward=frames 'reward.image={_target_:stepflow.testing.random_policies.StandInReward}')
+    [ "$TINY" != 1 ] && extra+=(model.height=256 model.width=448 model.num_frames=17)
+  fi
   [ "$ft" = full ] && extra=(model.save_weights=false callbacks.checkpoint=null train.lr=1e-5)
   [ "$TINY" != 1 ] && extra+=("trainer=$s" "trainer.devices=1")
-  CMD=("$PY" -m stepflow.train model=sd35_medium_random "${TRAINER[@]}" "model.finetune=$ft" "${extra[@]}"
-       '~reward=shapes_geneval' +reward._target_=stepflow.testing.random_policies.StandInReward
+  CMD=("$PY" -m stepflow.train "model=$model" "${TRAINER[@]}" "model.finetune=$ft" "${extra[@]}" "${reward[@]}"
        +callbacks.memory._target_=stepflow.testing.random_policies.peak_memory_callback
        loop.iterations=1 loop.prompts_per_iter=1 loop.group_size=4 loop.num_steps=4 loop.substeps=2
        train.micro_batch_size=4 train.beta_kl=0.04 advantage=gain sampler=flow_sde
        eval.every=0 eval.max_prompts=2 eval.num_steps=2 eval.batch_size=2 eval.grid_prompts=2
-       "hydra.run.dir=$RUNS/$s-$ft")
+       "hydra.run.dir=$RUNS/$s-$ft${3:+-$3}")
 }
 
 strategies() {
-  local ft=$1 limit=$2
-  for s in "${STRATEGIES[@]}"; do
-    rm -rf "${RUNS:?}/$s-$ft"
-    cli_cmd "$s" "$ft"
-    part "strategy_${s}_${ft}" "$limit" "${CMD[@]}"
-    "$PY" - "$RUNS/$s-$ft" "$s" "$ft" "$OUT/strategies.tsv" "$(tail -n 1 "$OUT/parts.tmp" | cut -f2,3)" <<'EOF'
+  local ft=$1 limit=$2 model=${3:-}
+  local strats=("${STRATEGIES[@]}")
+  [ -n "$model" ] && [ "$TINY" != 1 ] && strats=(ddp)  # a video model: one DDP run per fine-tuning mode
+  for s in "${strats[@]}"; do
+    local dir="$RUNS/$s-$ft${model:+-$model}"
+    rm -rf "${dir:?}"
+    cli_cmd "$s" "$ft" $model
+    part "strategy_${s}_${ft}${model:+_$model}" "$limit" "${CMD[@]}"
+    "$PY" - "$dir" "$s${model:+:${model%_random}}" "$ft" "$OUT/strategies.tsv" "$(tail -n 1 "$OUT/parts.tmp" | cut -f2,3)" <<'EOF'
 import csv, os, sys
 from pathlib import Path
 d, s, ft, out, rc_s = Path(sys.argv[1]), sys.argv[2], sys.argv[3], Path(sys.argv[4]), sys.argv[5].split("\t")
@@ -170,7 +180,7 @@ new = not out.is_file()
 with out.open("a") as fh:
     fh.write(("\t".join(cols) + "\n" if new else "") + "\t".join(str(row.get(c, "")).replace("\t", " ") for c in cols) + "\n")
 EOF
-    [ "${GPU_CHECK_KEEP_RUNS:-0}" = 1 ] || rm -rf "$RUNS/$s-$ft"
+    [ "${GPU_CHECK_KEEP_RUNS:-0}" = 1 ] || rm -rf "$dir"
   done
 }
 
@@ -194,7 +204,11 @@ for p in $PARTS; do
         --json "$OUT/big.json" ;;
     strat_full)
       strategies full 120 ;;
-    *) say "gpu_check.sh: unknown part '$p' (env sd35m strat_lora big strat_full)" ;;
+    wan)  # video: Wan 2.1 1.3B LoRA + full, Wan 2.2 A14B (two experts) LoRA; its full fine-tuning needs FSDP x8
+      strategies lora 120 wan21_t2v_random
+      strategies full 120 wan21_t2v_random
+      strategies lora 180 wan22_t2v_random ;;
+    *) say "gpu_check.sh: unknown part '$p' (env sd35m strat_lora big strat_full wan)" ;;
   esac
 done
 

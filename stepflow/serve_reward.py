@@ -52,7 +52,8 @@ from stepflow.rewards.base import Reward
 
 log = logging.getLogger("stepflow.serve_reward")
 
-_EXPECTED = 'expected {"images": [base64 PNG/JPEG], "prompts": [str], "meta": [object|null] | null}'
+_EXPECTED = ('expected {"images": [base64 PNG/JPEG (a video: a list of them)], "prompts": [str], '
+             '"meta": [object|null] | null}')
 _DIGITS = re.compile(r"[0-9]{1,18}")
 
 
@@ -128,7 +129,7 @@ class _BadRequest(ValueError):
 def _parse_request(body: bytes, limits: Limits | None = None) -> tuple[Any, list[str], list[dict] | None]:
     """Validate a request body and decode its images (within ``limits``, default :class:`Limits`); raises
     :class:`_BadRequest`."""
-    from stepflow.rewards.remote import ImageLimitError, decode_images
+    from stepflow.rewards.remote import ImageLimitError, decode_images, decode_videos
 
     limits = limits or Limits()
     try:
@@ -152,8 +153,8 @@ def _parse_request(body: bytes, limits: Limits | None = None) -> tuple[Any, list
     if meta is not None and not all(m is None or isinstance(m, dict) for m in meta):
         raise _BadRequest("'meta' items must be JSON objects or null")
     try:
-        tensor = decode_images(images, max_image_pixels=limits.max_image_pixels,
-                               max_total_pixels=limits.max_request_pixels)
+        decode = decode_videos if any(isinstance(x, list) for x in images) else decode_images  # a list: a video
+        tensor = decode(images, max_image_pixels=limits.max_image_pixels, max_total_pixels=limits.max_request_pixels)
     except ImageLimitError as e:
         raise _BadRequest(one_line(e), 413) from None
     except Exception as e:  # noqa: BLE001 - whatever PIL / base64 raise on hostile input

@@ -131,6 +131,9 @@ def build_module(cfg: DictConfig, run_dir: Path):
     torch.manual_seed(loop.seed)
     policy = build_policy(cfg)
     reward = build_reward(cfg)
+    from stepflow.rewards.base import check_modality
+
+    check_modality(getattr(policy, "modality", "image"), reward, f"model={_choice('model') or policy.name}")
     return GRPOModule(policy, reward, s.sampler, s.advantage, plan, eval_records, loop, s.train, s.eval, s.ema,
                       run_dir, window=s.window, objective=s.objective)
 

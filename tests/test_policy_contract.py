@@ -60,6 +60,11 @@ FAMILIES = [
     Family("sd35_large_random", "SD3Policy", tuple(TINY_RANDOM), guidance=3.5, path_field=None),
     Family("flux_dev_random", "FluxPolicy", tuple(TINY_RANDOM), guidance=1.0, path_field=None),
     Family("qwen_image_random", "QwenImagePolicy", tuple(TINY_RANDOM), guidance=4.0, path_field=None),
+    # video families (policy.modality == "video"): latents (C, F, H, W), decode to (B, 3, F, H, W)
+    Family("wan21_t2v_tiny", "WanPolicy", guidance=4.5, image=32),
+    Family("wan22_t2v_tiny", "WanPolicy", guidance=4.5, image=32),
+    Family("wan21_t2v_random", "WanPolicy", tuple(TINY_RANDOM), guidance=4.5, image=32, path_field=None),
+    Family("wan22_t2v_random", "WanPolicy", tuple(TINY_RANDOM), guidance=4.5, image=32, path_field=None),
 ]
 PARAMS = [pytest.param(f, id=f.id) for f in FAMILIES]
 
@@ -95,6 +100,11 @@ def built(compose):
     return get
 
 
+def _is_video(policy) -> bool:
+    """A video family (its capability flag): latents (C, F, H, W), ``decode`` to videos (B, 3, F, H, W)."""
+    return getattr(policy, "modality", "image") == "video"
+
+
 def _latents(policy, b=2, seed=1):
     return torch.randn(b, *policy.latent_shape, generator=torch.Generator().manual_seed(seed))
 
@@ -119,7 +129,7 @@ def test_class_and_trainable_parameters(built, fam):
     assert {n for n, p in pol.named_parameters() if p.requires_grad} == {f"transformer.{n}" for n in trainable}
     assert {id(p) for p in pol.trainable_parameters()} == {id(p) for p in pol.lora_parameters()}
     assert all(p.requires_grad for p in pol.trainable_parameters())
-    assert pol.dtype == torch.float32 and len(pol.latent_shape) == 3
+    assert pol.dtype == torch.float32 and len(pol.latent_shape) == (4 if _is_video(pol) else 3)
 
 
 @pytest.mark.parametrize("fam", PARAMS)
@@ -196,7 +206,8 @@ def test_decode_is_fp32_images_in_0_1(built, fam):
     pol = built(fam)
     with torch.no_grad():
         img = pol.decode(_latents(pol, b=3))
-    assert img.shape == (3, 3, fam.image, fam.image) and img.dtype == torch.float32
+    frames = (pol.num_frames,) if _is_video(pol) else ()
+    assert img.shape == (3, 3, *frames, fam.image, fam.image) and img.dtype == torch.float32
     assert 0 <= img.min() and img.max() <= 1
 
 

@@ -169,10 +169,37 @@ def format_table(table: dict[str, float]) -> str:
     return "\n".join(f"{k:<{width}}  {table[k]:.4f}" for k in keys if k in table)
 
 
+def frame_strips(videos: Tensor, max_frames: int = 8) -> Tensor:
+    """Videos (N, 3, F, H, W) -> one image per video (N, 3, H, n·W + n − 1): ``n = min(F, max_frames)`` frames evenly
+    spaced from the first to the last, side by side with a 1-px white gap (a video's row in a sample grid)."""
+    n_all = videos.shape[2]
+    idx = sorted({int(round(x)) for x in torch.linspace(0, n_all - 1, min(n_all, max(1, int(max_frames)))).tolist()})
+    frames = [videos[:, :, i] for i in idx]
+    gap = torch.ones(*videos.shape[:2], videos.shape[3], 1, dtype=videos.dtype, device=videos.device)
+    parts = [x for f in frames for x in (f, gap)][:-1]
+    return torch.cat(parts, dim=-1)
+
+
+def save_gif(video: Tensor, path: str | Path, fps: float = 8.0) -> Path:
+    """One video (3, F, H, W) in [0, 1] as an animated GIF (PIL), ``fps`` frames per second, looping."""
+    from PIL import Image
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    arr = (video.detach().float().clamp(0, 1) * 255).round().to(torch.uint8).permute(1, 2, 3, 0).cpu().numpy()
+    frames = [Image.fromarray(a) for a in arr]
+    frames[0].save(path, save_all=True, append_images=frames[1:], duration=max(1, int(round(1000 / fps))), loop=0)
+    return path
+
+
 def save_grid(images: Tensor, prompts: Sequence[str], path: str | Path, ncol: int = 8, title: str | None = None,
               scores: Sequence[float] | None = None, dpi: int = 100, passed: Sequence[bool] | None = None) -> Path:
     """Save ``images`` (N, 3, H, W) in [0, 1] as a PNG grid with each prompt (and optional score) as its title;
-    ``passed``: a verdict per image, drawn as a green (passed) or red (failed) frame."""
+    ``passed``: a verdict per image, drawn as a green (passed) or red (failed) frame. Videos (N, 3, F, H, W): one
+    frame strip per video (:func:`frame_strips`), a strip per row."""
+    if images.ndim == 5:
+        images = frame_strips(images)
+        ncol = 1
     import matplotlib
 
     matplotlib.use("Agg", force=False)
@@ -183,13 +210,15 @@ def save_grid(images: Tensor, prompts: Sequence[str], path: str | Path, ncol: in
     n = images.shape[0]
     ncol = max(1, min(ncol, n))
     nrow = max(1, math.ceil(n / ncol))
-    fig, axes = plt.subplots(nrow, ncol, figsize=(1.9 * ncol, 2.45 * nrow + (0.5 if title else 0)), squeeze=False)
+    aspect = images.shape[-1] / max(1, images.shape[-2])  # frame strips are wide
+    fig, axes = plt.subplots(nrow, ncol, figsize=(1.9 * ncol * max(1.0, aspect), 2.45 * nrow + (0.5 if title else 0)),
+                             squeeze=False)
     for ax in axes.flat:
         ax.axis("off")
     for i in range(n):
         ax = axes.flat[i]
         ax.imshow(images[i].detach().float().clamp(0, 1).permute(1, 2, 0).cpu().numpy(), interpolation="nearest")
-        label = "\n".join(textwrap.wrap(prompts[i], 22)[:3])
+        label = "\n".join(textwrap.wrap(prompts[i], int(22 * max(1.0, aspect)))[:3])
         if scores is not None:
             label += f"\n[{scores[i]:.2f}]"
         ax.set_title(label, fontsize=7)

@@ -5,7 +5,10 @@ Conventions (all policies):
 - time ``t`` is in [0, 1]; ``t = 1`` is pure noise, ``t = 0`` is data (rectified flow ``x_t = (1-t) x0 + t x1``);
 - ``velocity`` predicts ``v = dx/dt = x1 - x0`` (method.md §1), so an Euler step towards data is ``x - dt * v``;
 - latents are ``(B, C, H, W)``; ``decode`` maps them to images ``(B, 3, H', W')`` in [0, 1]; a model that packs
-  latents into patch tokens (FLUX, Qwen-Image) packs and unpacks inside ``_forward``;
+  latents into patch tokens (FLUX, Qwen-Image) packs and unpacks inside ``_forward``; a video model
+  (:attr:`FlowPolicy.modality` ``"video"``, Wan) has latents ``(B, C, F, H, W)`` and decodes to videos
+  ``(B, 3, F', H', W')``: the core is rank-generic (trajectories ``(B, T+1, *latent_shape)``, log-probs averaged over
+  every non-batch dimension), and rewards say which they score (:attr:`stepflow.rewards.base.Reward.modality`);
 - the SDE math is done by the caller in fp32 (``stepflow.math.sde``); ``velocity`` returns fp32;
 - the time (and an embedded guidance scale) reaches the transformer's time embedding in fp32, whatever the weights'
   dtype, as diffusers' SD3 pipeline passes it (:class:`TimeInputs` for transformers that cast it to their dtype);
@@ -300,7 +303,11 @@ class FlowPolicy(nn.Module):
     """
 
     transformer: nn.Module
-    latent_shape: tuple[int, int, int]
+    #: (C, H, W) for an image model, (C, F, H, W) for a video model
+    latent_shape: tuple[int, ...]
+    #: what :meth:`decode` returns: ``"image"`` (B, 3, H, W) or ``"video"`` (B, 3, F, H, W); the reward must score
+    #: the same (:func:`stepflow.rewards.base.check_modality`), the sample grids show a video as a strip of frames
+    modality: str = "image"
     #: the scheduler's shift for :meth:`time_grid` (SD3.5: 3.0)
     shift: float = 3.0
     #: timestep scale the transformer expects (diffusers SD3: t * 1000)

@@ -1,4 +1,10 @@
-"""The Reward interface: ``reward(images, prompts, meta) -> RewardOut``."""
+"""The Reward interface: ``reward(images, prompts, meta) -> RewardOut``.
+
+A reward scores what its :attr:`Reward.modality` says: ``"image"`` (B, 3, H, W) or ``"video"`` (B, 3, F, H, W), both
+in [0, 1]. An image reward scores a video model's frames through :class:`stepflow.rewards.frames.FrameReward` (the
+mean of a per-frame score over the sampled frames, as Flow-GRPO and DanceGRPO score Wan); :func:`check_modality`
+refuses a reward whose modality is not the model's, in one line.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +14,11 @@ from typing import Any
 
 import torch
 from torch import Tensor
+
+from stepflow.errors import StepflowError
+
+#: what a reward scores / a policy decodes to, and the shape of one batch of it
+MODALITIES = {"image": "(B, 3, H, W)", "video": "(B, 3, F, H, W)"}
 
 
 @dataclass
@@ -21,10 +32,13 @@ class RewardOut:
 class Reward:
     """Base class. Subclasses implement :meth:`score`; ``__call__`` validates shapes and batches.
 
-    images: (B, 3, H, W) float in [0, 1]; prompts: B strings; meta: optional B dicts (e.g. GenEval metadata).
+    images: (B, 3, H, W) float in [0, 1] (a ``"video"`` reward: videos (B, 3, F, H, W)); prompts: B strings; meta:
+    optional B dicts (e.g. GenEval metadata).
     """
 
     name: str = "reward"
+    #: what :meth:`score` reads: ``"image"`` (B, 3, H, W) or ``"video"`` (B, 3, F, H, W) (:data:`MODALITIES`)
+    modality: str = "image"
     #: largest batch handed to :meth:`score` at once (the loop makes one call per iteration; we chunk here)
     batch_size: int = 64
     #: a pairwise judge: :meth:`compare` is its own (a preference model that reads two images, UnifiedReward-Think in
@@ -52,8 +66,10 @@ class Reward:
 
     @torch.no_grad()
     def __call__(self, images: Tensor, prompts: Sequence[str], meta: Sequence[dict[str, Any]] | None = None) -> RewardOut:
-        if images.ndim != 4 or images.shape[1] != 3:
-            raise ValueError(f"reward {self.name}: images must be (B, 3, H, W) in [0, 1], got {tuple(images.shape)}")
+        ndim = 5 if self.modality == "video" else 4
+        if images.ndim != ndim or images.shape[1] != 3:
+            raise ValueError(f"reward {self.name}: {self.modality}s must be {MODALITIES[self.modality]} in [0, 1], got "
+                             f"{tuple(images.shape)}" + (f"; {_FIX[self.modality]}" if images.ndim == 9 - ndim else ""))
         if len(prompts) != images.shape[0]:
             raise ValueError(f"reward {self.name}: {images.shape[0]} images but {len(prompts)} prompts")
         outs = []
@@ -69,3 +85,22 @@ def preference_from_scores(scores_a: Tensor, scores_b: Tensor) -> Tensor:
     a judge's tie, CodeGoat24/Pref-GRPO@c06662d fastvideo/train_flux_pref_grpo.py L110-120). (P,) -> (P,) fp32."""
     a, b = scores_a.float(), scores_b.float()
     return (a > b).float() + 0.5 * (a == b).float()
+
+
+_FIX = {"image": "score a video model's frames with reward=frames reward.image=<this reward>",
+        "video": "this reward scores videos (model.modality=video), not images"}
+
+
+def check_modality(model_modality: str, reward: Reward, model: str = "the model") -> None:
+    """One line when ``reward`` does not score what the model decodes to (``model_modality``: ``"image"`` /
+    ``"video"``, :attr:`stepflow.policies.base.FlowPolicy.modality`): a video reward on an image model, or an image
+    reward on a video model (which :class:`stepflow.rewards.frames.FrameReward` makes a video reward)."""
+    mine = getattr(reward, "modality", "image")
+    if mine == model_modality:
+        return
+    if model_modality == "video":
+        raise StepflowError(f"reward: {reward.describe()} scores images {MODALITIES['image']}, but {model} makes videos "
+                            f"{MODALITIES['video']}; score its frames with reward=frames reward.image=<that reward> "
+                            "(the mean of the per-frame scores over every 4th frame, Flow-GRPO's Wan sampling)")
+    raise StepflowError(f"reward: {reward.describe()} scores videos {MODALITIES['video']}, but {model} makes images "
+                        f"{MODALITIES['image']}; give this model an image reward (reward=<name>, e.g. the reward.image of reward=frames)")

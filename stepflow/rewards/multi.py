@@ -62,6 +62,11 @@ class MultiReward(Reward):
             except RewardLoadError as e:  # point the override hint at the nested key
                 msg = str(e).replace("set reward.", f"set reward.rewards.{n}.")
                 raise RewardLoadError(f"multi/{n}: {msg}") from None
+        kinds = {n: r.modality for n, r in self.rewards.items()}
+        if len(set(kinds.values())) > 1:
+            raise ValueError(f"multi reward: the sub-rewards score different inputs ({kinds}); wrap the image rewards "
+                             "for a video model in reward=frames")
+        self.modality = next(iter(kinds.values()))  # what every sub-reward scores: images or videos
         self.weights: dict[str, float] = {n: float(weights[n]) for n in names}
         self.mode, self.eps = mode, float(eps)
 

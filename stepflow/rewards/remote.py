@@ -8,6 +8,8 @@ machine with ``python -m stepflow.serve_reward reward=<name> port=<port>`` and s
 stepflow's protocol (``protocol="stepflow"``, the default; JSON, UTF-8; never pickle)::
 
     POST <url>   {"images": ["<base64 PNG>", ...], "prompts": ["...", ...], "meta": [{...}, ...] | null}
+                 (videos: each item of "images" a list of F base64 PNG frames, every video of one length; the
+                 served reward must score videos, e.g. ``serve_reward reward=frames``; ``reward.video=true`` here)
     200          {"scores": [float, ...], "components": {"<name>": [float, ...], ...}}
     4xx / 5xx    {"error": "<one line>"}
     GET  /health {"status": "ok", "reward": "<name>"}
@@ -103,9 +105,26 @@ def png_b64(img: np.ndarray | Image.Image) -> str:
     return base64.b64encode(buf.getvalue()).decode("ascii")
 
 
-def encode_images(images: Tensor) -> list[str]:
-    """(B, 3, H, W) in [0, 1] -> B base64 PNG strings (uint8-rounded, as every reward sees them)."""
+def encode_images(images: Tensor) -> list[str] | list[list[str]]:
+    """(B, 3, H, W) in [0, 1] -> B base64 PNG strings (uint8-rounded, as every reward sees them); videos
+    (B, 3, F, H, W) -> B lists of F base64 PNG frames (the protocol's video item)."""
+    if images.ndim == 5:
+        b, f = images.shape[0], images.shape[2]
+        flat = [png_b64(a) for a in to_uint8(images.transpose(1, 2).flatten(0, 1))]
+        return [flat[i * f:(i + 1) * f] for i in range(b)]
     return [png_b64(a) for a in to_uint8(images)]
+
+
+def decode_videos(items: Sequence[Sequence[str]], max_image_pixels: int | None = None,
+                  max_total_pixels: int | None = None) -> Tensor:
+    """B lists of F base64 PNG (or JPEG) frames, every video of one frame count and size -> (B, 3, F, H, W) in
+    [0, 1] (:func:`decode_images` on all the frames: the pixel limits count every frame)."""
+    counts = {len(v) if isinstance(v, list) else -1 for v in items}
+    if len(counts) != 1 or -1 in counts or 0 in counts:
+        raise ValueError("a video request's items must all be non-empty lists of frames of one length")
+    f = counts.pop()
+    flat = decode_images([x for v in items for x in v], max_image_pixels, max_total_pixels)
+    return flat.view(len(items), f, *flat.shape[1:]).transpose(1, 2).contiguous()
 
 
 def encode_jpeg(images: Tensor, quality: int = 75) -> list[bytes]:
@@ -573,7 +592,8 @@ class RemoteReward(Reward):
     becomes the reward -- ``partial`` (``scores``, partial credit, what Flow-GRPO trains on), ``strict``
     (``strict_rewards``: exact counts), ``correct`` (``rewards``: GenEval's own rule; needs only_strict=false);
     only_strict is sent as is (true: the server skips the ``correct`` rule and answers zeros there);
-    jpeg_quality: of the JPEG images sent.
+    jpeg_quality: of the JPEG images sent. video: the served reward scores videos (its :attr:`modality` is then
+    ``"video"``; each video goes as a list of PNG frames).
 
     Components are whatever the service returns (``flow_grpo``: ``partial``, ``strict``, and ``correct`` unless
     only_strict).
@@ -586,7 +606,8 @@ class RemoteReward(Reward):
                  timeout_s: float = 120.0, max_retries: int = 5, backoff_s: float = 1.0, max_backoff_s: float = 60.0,
                  send_meta: bool = True, headers: dict[str, str] | None = None, name: str | None = None,
                  progress_every_s: float = 10.0, max_reply_mb: float = 64.0, protocol: str = "stepflow",
-                 geneval_score: str = "partial", only_strict: bool = True, jpeg_quality: int = 75):
+                 geneval_score: str = "partial", only_strict: bool = True, jpeg_quality: int = 75,
+                 video: bool = False):
         if protocol not in PROTOCOLS:
             raise RemoteConfigError(f"reward.protocol: the protocol must be one of {PROTOCOLS}, got {protocol!r}; "
                                     f"give reward.protocol=stepflow (serve_reward) or reward.protocol=flow_grpo "
@@ -598,6 +619,11 @@ class RemoteReward(Reward):
             raise RemoteConfigError("reward.geneval_score: geneval_score=correct needs only_strict=false (with "
                                     "only_strict the GenEval server answers 0 for every 'rewards' entry); give "
                                     "reward.only_strict=false")
+        if video and protocol != "stepflow":
+            raise RemoteConfigError("reward.video: videos travel only in the stepflow protocol (lists of PNG frames); "
+                                    "give reward.protocol=stepflow or reward.video=false")
+        #: ``video``: the served reward scores videos (B, 3, F, H, W), sent as lists of PNG frames
+        self.modality = "video" if video else "image"
         if protocol == "flow_grpo" and not send_meta:
             raise RemoteConfigError("reward.send_meta: protocol flow_grpo always sends the GenEval metadata; give "
                                     "reward.send_meta=true")

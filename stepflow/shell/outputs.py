@@ -37,7 +37,7 @@ def run_evaluation(module, dist) -> dict[str, float]:
 
 def save_eval_grid(module, images: torch.Tensor, prompts: list[str], detail: dict, res: dict[str, float]) -> Path | None:
     """``<run>/eval_grids/iter_NNNN.png``: ``eval.grid_prompts`` of the evaluated samples, the prompt categories
-    taken in turn; framed green / red by the reward's strict verdict (GenEval's rules) where it gives one, else
+    taken in turn (videos: a strip of frames each, and ``iter_NNNN_<j>.gif`` per shown video); framed green / red by the reward's strict verdict (GenEval's rules) where it gives one, else
     captioned with the score; the title names the iteration, the held-out score and what the verdict means."""
     from stepflow.core.heldout import balanced_indices, save_grid
 
@@ -55,7 +55,13 @@ def save_eval_grid(module, images: torch.Tensor, prompts: list[str], detail: dic
     if passed is not None:
         title += (f"; {sum(passed)}/{n} shown pass. Green: GenEval's rules pass the image, red: they do not "
                   "(the rules accept objects beyond the asked ones)")
-    return save_grid(images[idx], [prompts[i] for i in idx], module.run_dir / "eval_grids" / f"iter_{module.iteration:04d}.png",
+    path = module.run_dir / "eval_grids" / f"iter_{module.iteration:04d}.png"
+    if images.ndim == 5:  # videos: the grid shows frame strips; each shown video also as a GIF beside it
+        from stepflow.core.heldout import save_gif
+
+        for j, i in enumerate(idx):
+            save_gif(images[i], path.with_name(f"{path.stem}_{j}.gif"))
+    return save_grid(images[idx], [prompts[i] for i in idx], path,
                      title="\n".join(textwrap.wrap(title, 120)), passed=passed,
                      scores=None if passed is not None or scores is None else [scores[i] for i in idx])
 
