@@ -65,6 +65,10 @@ FAMILIES = [
     Family("wan22_t2v_tiny", "WanPolicy", guidance=4.5, image=32),
     Family("wan21_t2v_random", "WanPolicy", tuple(TINY_RANDOM), guidance=4.5, image=32, path_field=None),
     Family("wan22_t2v_random", "WanPolicy", tuple(TINY_RANDOM), guidance=4.5, image=32, path_field=None),
+    Family("flux2_tiny", "Flux2Policy", guidance=1.0),
+    Family("zimage_tiny", "ZImagePolicy", guidance=1.0),
+    Family("flux2_random", "Flux2Policy", tuple(TINY_RANDOM), guidance=1.0, path_field=None),
+    Family("zimage_random", "ZImagePolicy", tuple(TINY_RANDOM), guidance=1.0, path_field=None),
 ]
 PARAMS = [pytest.param(f, id=f.id) for f in FAMILIES]
 

@@ -83,7 +83,9 @@ def check_json_files(folder: Path, field: str, fix: str) -> None:
 
 
 #: a diffusers class name's model family (a substring of the name -> the family's name in messages)
-FAMILIES = (("StableDiffusion3", "SD3"), ("SD3", "SD3"), ("Flux", "FLUX"), ("QwenImage", "Qwen-Image"), ("Wan", "Wan"))
+#: (the first match wins: ``Flux2`` before ``Flux``)
+FAMILIES = (("StableDiffusion3", "SD3"), ("SD3", "SD3"), ("Flux2", "FLUX.2"), ("Flux", "FLUX"),
+            ("QwenImage", "Qwen-Image"), ("Wan", "Wan"), ("ZImage", "Z-Image"))
 
 
 def family(class_name: str) -> str | None:
