@@ -24,7 +24,10 @@ PROMPTS = ["a photo of a cat", "a red dog on the square"]
 SEQ = 64
 H = TINY_HEIGHT
 GUIDANCE = 4.0  # Flux2Pipeline's default guidance_scale
-TOL = 2e-6  # fp32: the policy and the pipeline run the same operations
+TOL = 2e-6  # the issue's bound (fp32)
+#: measured: the policy runs the pipeline's operations in its order, so on the CPU in fp32 the results are bit-identical;
+#: held exactly, so that a change of the arithmetic (a time computed another way, another CFG order) is seen
+EXACT = 0.0
 
 
 @pytest.fixture(scope="module")
@@ -97,7 +100,7 @@ def _capture_timesteps(pipe):
     return seen, handle
 
 
-@pytest.mark.parametrize("height,steps", [(64, 1), (64, 5), (256, 5), (256, 28)])
+@pytest.mark.parametrize("height,steps", [(64, 1), (64, 3), (256, 5), (256, 28)])
 def test_time_grid_is_the_pipelines(path, height, steps):
     """The grid = the times Flux2Pipeline calls its transformer at (captured, timestep = t/1000) + a trailing 0; the
     closed form e^μ / (e^μ + 1/σ − 1) with μ = compute_empirical_mu(image tokens, steps); starts at exactly 1."""
@@ -111,12 +114,33 @@ def test_time_grid_is_the_pipelines(path, height, steps):
     grid = pol.time_grid(steps)
     assert grid.shape == (steps + 1,) and float(grid[0]) == 1.0 and float(grid[-1]) == 0.0
     called = torch.stack([s[0] for s in seen])
-    assert torch.allclose(grid[:-1], called, atol=1e-7, rtol=0), (grid, called)
+    assert torch.equal((grid[:-1] * 1000) / 1000, called), (grid, called)  # the pipeline's t / 1000, bit for bit
     mu = flux2_mu((height // 16) ** 2, steps)
     sig = torch.linspace(1.0, 1.0 / steps, steps, dtype=torch.float64)
     closed = torch.exp(torch.tensor(mu, dtype=torch.float64)) / (torch.exp(torch.tensor(mu, dtype=torch.float64))
                                                                   + (1.0 / sig - 1.0))
     assert torch.allclose(grid[:-1].double(), closed, atol=1e-6)
+
+
+def test_the_transformer_sees_the_pipelines_timesteps_bit_for_bit(policy):
+    """Flux2Pipeline passes ``timestep = (1000 σ) / 1000`` (the scheduler's timesteps over 1000), which differs from σ
+    in the last bit for some σ; the policy passes the same value, captured at every one of 50 steps."""
+    steps = 50
+    seen, handle = _capture_timesteps(policy.pipe)
+    try:
+        policy.pipe(prompt=PROMPTS[:1], height=H, width=H, num_inference_steps=steps, max_sequence_length=SEQ,
+                    output_type="latent")
+        called = torch.stack([s[0] for s in seen])
+        seen.clear()
+        grid, cond = policy.time_grid(steps), policy.encode(PROMPTS[:1])
+        with torch.no_grad():
+            for k in range(steps):
+                policy.velocity(_noise(policy, b=1), grid[k], cond)
+        ours = torch.stack([s[0] for s in seen])
+    finally:
+        handle.remove()
+    assert not torch.equal(grid[:-1], called)  # the round trip matters on this grid
+    assert torch.equal(ours, called)
 
 
 def test_grid_depends_on_steps_and_resolution(path):
@@ -133,7 +157,7 @@ def test_euler_ode_matches_the_pipeline(policy, steps):
     ref = _pipe(policy, latents, steps)
     err = (ours - ref).abs().max().item()
     print(f"max-abs FLUX.2 ODE vs Flux2Pipeline ({steps} steps): {err:.3e}")
-    assert err <= TOL and (ours - latents).abs().max() > 1e-2
+    assert err <= TOL and err == EXACT and (ours - latents).abs().max() > 1e-2
     img = _pipe(policy, latents, steps, output_type="pt")
     with torch.no_grad():
         ours_img = policy.decode(ours)
@@ -154,7 +178,7 @@ def test_rollout_ode_matches_the_pipeline_and_sde_rollouts_are_well_defined(poli
     ref = _pipe(policy, traj.latents[:, 0], 4)
     err = (traj.latents[:, -1] - ref).abs().max().item()
     print(f"max-abs FLUX.2 rollout ODE vs Flux2Pipeline: {err:.3e}")
-    assert err <= TOL
+    assert err <= TOL and err == EXACT
     for name in ("flow_sde", "ddim_sde", "cps"):
         n0 = policy.nfe
         traj = rollout(policy, plan, SamplerConfig(name=name), 4, 1.0)

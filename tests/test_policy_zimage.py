@@ -23,7 +23,10 @@ from stepflow.testing.tiny_policies import TINY_HEIGHT  # noqa: E402
 PROMPTS = ["a photo of a cat", "a red dog on the square"]  # different lengths: the batch needs a mask
 SEQ = 64
 H = TINY_HEIGHT
-TOL = 2e-6
+TOL = 2e-6  # the issue's bound (fp32)
+#: measured: bit-identical on the CPU in fp32 (the pipeline's operations in its order), held exactly so that a change of
+#: the arithmetic (the reversed time computed as 1 - t, the CFG combination in another order) is seen
+EXACT = 0.0
 
 
 @pytest.fixture(scope="module")
@@ -70,7 +73,7 @@ def test_loaded_attributes(policy):
     assert not any(p.requires_grad for m in [policy.vae, *policy.text_encoders] for p in m.parameters())
 
 
-@pytest.mark.parametrize("steps", [1, 5, 9])
+@pytest.mark.parametrize("steps", [1, 3, 9, 28])
 def test_time_grid_is_the_pipelines(policy, steps):
     """The grid's times, reversed as the transformer takes them (1 − σ, captured from the pipeline's call), + 0; the
     static shift 3σ / (1 + 2σ) of σ = linspace(1, 1/N, N); starts at exactly 1."""
@@ -97,7 +100,7 @@ def test_euler_ode_matches_the_pipeline(policy, steps, w):
     ref = _pipe(policy, latents, steps, w)
     err = (ours - ref).abs().max().item()
     print(f"max-abs Z-Image ODE vs ZImagePipeline ({steps} steps, guidance_scale {w}): {err:.3e}")
-    assert err <= TOL and (ours - latents).abs().max() > 1e-2
+    assert err <= TOL and err == EXACT and (ours - latents).abs().max() > 1e-2
     img = _pipe(policy, latents, steps, w, output_type="pt")
     with torch.no_grad():
         ours_img = policy.decode(ours)
@@ -128,7 +131,7 @@ def test_rollout_ode_matches_the_pipeline_and_sde_rollouts_are_well_defined(poli
         traj = rollout(policy, plan, SamplerConfig(name="ode"), 4, g)
         err = (traj.latents[:, -1] - _pipe(policy, traj.latents[:, 0], 4, g - 1.0)).abs().max().item()
         print(f"max-abs Z-Image rollout ODE (guidance {g}) vs ZImagePipeline: {err:.3e}")
-        assert err <= TOL
+        assert err <= TOL and err == EXACT
     for name in ("flow_sde", "ddim_sde", "cps"):
         n0 = policy.nfe
         traj = rollout(policy, plan, SamplerConfig(name=name), 4, 1.0)
