@@ -13,6 +13,9 @@
 #                   (two 14 B experts) LoRA, trainer=ddp, 256 x 448 px, 17 frames (5 latent frames, 2240 tokens),
 #                   reward=frames over the stand-in image reward, one iteration each (B 4, T 4, gain); rows of
 #                   strategies.tsv named wan21_t2v/wan22_t2v. Last in the default parts: skipped when time is out  ~150 s
+#   7. img2 (not in the default parts; GPU_CHECK_PARTS="env img2"): FLUX.2-dev / Z-Image (docs/models2/image.md):
+#                   the memory table, then one CLI iteration of model=zimage_random (LoRA; full when the GPU
+#                   has >= 120 GiB) and model=flux2_random (LoRA, >= 100 GiB), results in img2.tsv         ~150 s
 #
 # Estimates: a transformer forward of B samples at 512 px costs 2 x (per-token weights) x tokens per sample
 # (SD3.5-M ~5 TFLOP, SD3.5-L ~15, FLUX.1-dev ~28 with 512 T5 tokens, Qwen-Image ~29), a checkpointed training step
@@ -184,6 +187,48 @@ EOF
   done
 }
 
+# img2 (FLUX.2-dev, Z-Image): one CLI iteration of MODEL_random with FINETUNE if the GPU has MIN_GIB, into img2.tsv
+img2_run() {
+  local model=$1 ft=$2 min_gib=$3
+  local gib=0
+  [ "$TINY" != 1 ] && gib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2>/dev/null | head -1)
+  if [ "$TINY" != 1 ] && [ "${gib:-0}" -lt $((min_gib * 1024)) ]; then
+    say "== [img2_${model}_${ft}] skipped: needs >= ${min_gib} GiB of GPU memory (docs/models2/image.md), this GPU has ${gib} MiB"
+    printf '%s\tskipped\t0\t0\n' "img2_${model}_${ft}" >>"$OUT/parts.tmp"
+    return 0
+  fi
+  local extra=() d="$RUNS/img2-$model-$ft"
+  [ "$ft" = full ] && extra=(model.save_weights=false callbacks.checkpoint=null train.lr=1e-5)
+  [ "$TINY" != 1 ] && extra+=(trainer=ddp trainer.devices=1)
+  rm -rf "$d"
+  part "img2_${model}_${ft}" 150 "$PY" -m stepflow.train "model=${model}_random" "${TRAINER[@]}" "model.finetune=$ft" \
+    "${extra[@]}" '~reward=shapes_geneval' +reward._target_=stepflow.testing.random_policies.StandInReward \
+    +callbacks.memory._target_=stepflow.testing.random_policies.peak_memory_callback \
+    loop.iterations=1 loop.prompts_per_iter=1 loop.group_size=4 loop.num_steps=4 loop.substeps=2 \
+    train.micro_batch_size=4 train.beta_kl=0.04 advantage=gain sampler=flow_sde \
+    eval.every=0 eval.max_prompts=2 eval.num_steps=2 eval.batch_size=2 eval.grid_prompts=2 "hydra.run.dir=$d"
+  "$PY" - "$d" "$model" "$ft" "$OUT/img2.tsv" "$(tail -n 1 "$OUT/parts.tmp" | cut -f2,3)" <<'EOF2'
+import csv, sys
+from pathlib import Path
+d, model, ft, out, rc_s = Path(sys.argv[1]), sys.argv[2], sys.argv[3], Path(sys.argv[4]), sys.argv[5].split("\t")
+row = {"model": model, "finetune": ft, "rc": rc_s[0], "wall_s": rc_s[1] if len(rc_s) > 1 else ""}
+try:
+    m = [r for r in csv.DictReader((d / "metrics.csv").open()) if r.get("time/iteration_s")][-1]
+    row.update(iteration_s=m["time/iteration_s"], grad_norm=m.get("train/grad_norm", ""),
+               reward_mean=m.get("train/reward_mean", ""))
+    mem = [r for r in csv.DictReader((d / "memory.csv").open()) if r["iteration"] != "start"][-1]
+    row.update(peak_alloc_gib=mem["peak_allocated_gib"], peak_reserved_gib=mem["peak_reserved_gib"])
+except (OSError, IndexError, KeyError) as e:
+    row["note"] = f"no metrics ({type(e).__name__})"
+cols = ["model", "finetune", "rc", "wall_s", "iteration_s", "peak_alloc_gib", "peak_reserved_gib", "grad_norm",
+        "reward_mean", "note"]
+new = not out.is_file()
+with out.open("a") as fh:
+    fh.write(("\t".join(cols) + "\n" if new else "") + "\t".join(str(row.get(c, "")) for c in cols) + "\n")
+EOF2
+  [ "${GPU_CHECK_KEEP_RUNS:-0}" = 1 ] || rm -rf "$d"
+}
+
 say "gpu_check.sh: parts [$PARTS], total limit ${TOTAL}s, tiny=$TINY, OUT=$OUT, RUNS=$RUNS"
 for p in $PARTS; do
   case $p in
@@ -208,7 +253,12 @@ for p in $PARTS; do
       strategies lora 120 wan21_t2v_random
       strategies full 120 wan21_t2v_random
       strategies lora 180 wan22_t2v_random ;;
-    *) say "gpu_check.sh: unknown part '$p' (env sd35m strat_lora big strat_full wan)" ;;
+    img2)  # FLUX.2-dev and Z-Image (docs/models2/image.md)
+      part img2_memory 90 "$PY" -m stepflow.testing.random_flux2_zimage --world 8
+      img2_run zimage lora 40
+      img2_run zimage full 120
+      img2_run flux2 lora 100 ;;
+    *) say "gpu_check.sh: unknown part '$p' (env sd35m strat_lora big strat_full wan img2)" ;;
   esac
 done
 
@@ -234,6 +284,11 @@ for r in runs:
           f"{f('peak_gib', 8)} {r.get('peak_phase', ''):9s} {f('estimate_gib', 7, 0)}  {ph}  {r.get('reason', '')[:70]}")
 EOF
   done
+  if [ -f "$OUT/img2.tsv" ]; then
+    echo
+    echo "-- FLUX.2-dev / Z-Image, one CLI iteration each (model=<m>_random; docs/models2/image.md)"
+    if command -v column >/dev/null; then column -t -s $'\t' "$OUT/img2.tsv"; else cat "$OUT/img2.tsv"; fi
+  fi
   if [ -f "$OUT/strategies.tsv" ]; then
     echo
     echo "-- python -m stepflow.train model=sd35_medium_random, one iteration per strategy (from metrics.csv / memory.csv)"
