@@ -530,7 +530,7 @@ def test_a_host_that_cannot_be_bound_is_one_line(host, needle):
 ])
 def test_serve_reward_cli_refuses_a_bad_limit_at_start(tmp_path, args, needle):
     r = run_cli("stepflow.serve_reward", "reward=shapes_geneval", *args, "port=0", f"hydra.run.dir={tmp_path}",
-                timeout=60)  # a few seconds; a server that starts anyway serves until this timeout
+                timeout=300)  # seconds when idle (a loaded CPU: minutes); a server that starts anyway serves until it
     _cli_error(r, needle)
 
 
