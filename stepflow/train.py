@@ -133,7 +133,8 @@ def build_module(cfg: DictConfig, run_dir: Path):
     reward = build_reward(cfg)
     from stepflow.rewards.base import check_modality
 
-    check_modality(getattr(policy, "modality", "image"), reward, f"model={_choice('model') or policy.name}")
+    check_modality(getattr(policy, "modality", "image"), reward,
+                   f"model={_choice('model') or getattr(policy, 'name', None) or type(policy).__name__}")
     return GRPOModule(policy, reward, s.sampler, s.advantage, plan, eval_records, loop, s.train, s.eval, s.ema,
                       run_dir, window=s.window, objective=s.objective)
 

@@ -30,7 +30,7 @@ from stepflow.credits.branchgrpo import (
     prune_width,
     tree_factors,
 )
-from stepflow.testing.harness import compose_config, one_line_error, smoke_config
+from stepflow.testing.harness import compose_config, last_train_metrics, one_line_error, smoke_config
 
 REF = "Fredreic1849/BranchGRPO@19fbb9f fastvideo/train_branchgrpo_flux.py"
 
@@ -548,7 +548,7 @@ def test_resume_is_exact(tmp_path, monkeypatch):
             tmp_path / "b")
     for p, q in zip(a.policy.trainable_parameters(), b.policy.trainable_parameters()):
         torch.testing.assert_close(p, q, rtol=0, atol=1e-7)
-    last = [{k: v for k, v in h.items() if k.startswith("train/")} for h in (a.history[-1], b.history[-1])]
+    last = [last_train_metrics(a), last_train_metrics(b)]
     assert last[0].keys() == last[1].keys()
     assert all(math.isclose(last[0][k], last[1][k], rel_tol=1e-5, abs_tol=1e-7) for k in last[0])
 

@@ -24,7 +24,7 @@ import torch
 
 from stepflow.core.data import seeded_normal
 from stepflow.errors import StepflowError
-from stepflow.testing.harness import compose_config
+from stepflow.testing.harness import compose_config, last_train_metrics
 
 REF = "shengjun-zhang/VisualGRPO@ae619bf"
 BASE = ["experiment=smoke", "reward=pickscore_tiny", "sampler=flow_sde", "loop.time_grid=fastvideo"]
@@ -427,7 +427,7 @@ def test_resume_is_exact(tmp_path):
                                      f"ckpt_path={tmp_path / 'b' / 'checkpoints' / 'last.ckpt'}"]), tmp_path / "b")
     for p, q in zip(a.policy.trainable_parameters(), b.policy.trainable_parameters()):
         torch.testing.assert_close(p, q, rtol=0, atol=1e-7)
-    last = [{k: v for k, v in h.items() if k.startswith("train/")} for h in (a.history[-1], b.history[-1])]
+    last = [last_train_metrics(a), last_train_metrics(b)]
     assert last[0].keys() == last[1].keys()
     assert all(math.isclose(last[0][k], last[1][k], rel_tol=1e-5, abs_tol=1e-7) for k in last[0])
 

@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from stepflow.testing.harness import compose_config, one_line_error
+from stepflow.testing.harness import compose_config, last_train_metrics, one_line_error
 
 BASE = ["experiment=smoke", "reward=pickscore_tiny"]
 
@@ -265,7 +265,7 @@ def test_resume_is_exact_with_the_weight_copies(tmp_path, objective):
     assert ca[key]["num_updates"] == cb[key]["num_updates"] == 3
     for s, u in zip(ca[key]["shadow"], cb[key]["shadow"]):
         torch.testing.assert_close(s, u, rtol=0, atol=1e-7)
-    last = [{k: v for k, v in h.items() if k.startswith("train/")} for h in (a.history[-1], b.history[-1])]
+    last = [last_train_metrics(a), last_train_metrics(b)]
     assert last[0].keys() == last[1].keys()
     assert all(math.isclose(last[0][k], last[1][k], rel_tol=1e-5, abs_tol=1e-7) for k in last[0])
 

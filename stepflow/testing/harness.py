@@ -234,3 +234,13 @@ def one_line_error(r, needle: str) -> str:
     assert len(errors) == 1, r.stderr[-3000:]
     assert needle in errors[0], errors[0]
     return errors[0]
+
+
+def last_train_metrics(module) -> dict[str, float]:
+    """The ``train/`` metrics of a module's last iteration (its history's last row that has any: the final
+    evaluation's row has none)."""
+    for row in reversed(module.history):
+        train = {k: v for k, v in row.items() if k.startswith("train/")}
+        if train:
+            return train
+    raise AssertionError("no iteration logged train/ metrics")
