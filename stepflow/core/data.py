@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from stepflow.errors import PromptFileError
+from stepflow.errors import PromptFileError, StepflowError
 
 
 def resolve_path(path: str | Path) -> Path:
@@ -183,7 +183,7 @@ def source_images(meta: Sequence[dict[str, Any]] | None, size: Sequence[int], wh
     for m in meta or [None]:
         path = m.get(SOURCE_KEY) if isinstance(m, dict) else None
         if not path:
-            raise PromptFileError(f"{what} scores an edit against its source image, but the prompts carry none; use "
+            raise StepflowError(f"{what} scores an edit against its source image, but the prompts carry none; use "
                                   "an edit data set (data.source_key=image, e.g. data=edit_tiny) or a reward that "
                                   "reads no source")
         img = load_source_image(str(path))
