@@ -9,6 +9,8 @@
 #   4. big          gpu_check.py gain only, T 6: sd35_large lora, flux_dev lora, qwen_image lora,
 #                   sd35_large full (flux_dev / qwen_image full: estimated not to fit in 141 GB, skipped)     ~155 s
 #   5. strat_full   as 3 with model.finetune=full (no checkpoint file, no weights written)                    ~120 s
+#   edit (opt-in)   python -m stepflow.train model=flux_kontext_random / qwen_image_edit_random, LoRA, trainer=ddp,
+#                   data=edit_tiny reward=source_similarity, one iteration each; peaks into edit.tsv           ~150 s
 #
 # Estimates: a transformer forward of B samples at 512 px costs 2 x (per-token weights) x tokens per sample
 # (SD3.5-M ~5 TFLOP, SD3.5-L ~15, FLUX.1-dev ~28 with 512 T5 tokens, Qwen-Image ~29), a checkpointed training step
@@ -174,6 +176,26 @@ EOF
   done
 }
 
+# the editing families (FLUX.1 Kontext, Qwen-Image-Edit; not in the default PARTS: GPU_CHECK_PARTS="env edit"):
+# one LoRA iteration of each *_random model (512 px output, 512 px / 1024²-area sources) on the tiny edit set with the
+# source_similarity reward, trainer=ddp on one GPU, peak memory from memory.csv into $OUT/edit.tsv
+edit_runs() {
+  local limit=$1 m d
+  for m in flux_kontext_random qwen_image_edit_random; do
+    d="$RUNS/edit-$m"; rm -rf "$d"
+    local dev=(); [ "$TINY" != 1 ] && dev=(trainer=ddp trainer.devices=1)
+    part "edit_$m" "$limit" "$PY" -m stepflow.train "model=$m" "${TRAINER[@]}" "${dev[@]}" data=edit_tiny \
+      reward=source_similarity +callbacks.memory._target_=stepflow.testing.random_policies.peak_memory_callback \
+      loop.iterations=1 loop.prompts_per_iter=1 loop.group_size=4 loop.num_steps=4 loop.substeps=2 \
+      train.micro_batch_size=4 advantage=gain sampler=flow_sde eval.every=0 eval.max_prompts=1 eval.num_steps=2 \
+      eval.batch_size=1 eval.grid_prompts=1 "hydra.run.dir=$d"
+    { [ -f "$OUT/edit.tsv" ] || printf 'model\tpeak_alloc_gib\tpeak_reserved_gib\titeration_s\n'
+      printf '%s\t%s\t%s\n' "$m" "$(tail -n 1 "$d/memory.csv" 2>/dev/null | cut -d, -f2,3 | tr , '\t')" \
+        "$(grep -o 'time/iteration_s[^,]*' "$d/metrics.csv" 2>/dev/null | head -1)"; } >>"$OUT/edit.tsv"
+    [ "${GPU_CHECK_KEEP_RUNS:-0}" = 1 ] || rm -rf "$d"
+  done
+}
+
 say "gpu_check.sh: parts [$PARTS], total limit ${TOTAL}s, tiny=$TINY, OUT=$OUT, RUNS=$RUNS"
 for p in $PARTS; do
   case $p in
@@ -194,7 +216,9 @@ for p in $PARTS; do
         --json "$OUT/big.json" ;;
     strat_full)
       strategies full 120 ;;
-    *) say "gpu_check.sh: unknown part '$p' (env sd35m strat_lora big strat_full)" ;;
+    edit)
+      edit_runs 120 ;;
+    *) say "gpu_check.sh: unknown part '$p' (env sd35m strat_lora big strat_full edit)" ;;
   esac
 done
 
@@ -220,6 +244,11 @@ for r in runs:
           f"{f('peak_gib', 8)} {r.get('peak_phase', ''):9s} {f('estimate_gib', 7, 0)}  {ph}  {r.get('reason', '')[:70]}")
 EOF
   done
+  if [ -f "$OUT/edit.tsv" ]; then
+    echo
+    echo "-- the editing families, one LoRA iteration each (memory.csv peaks)"
+    cat "$OUT/edit.tsv"
+  fi
   if [ -f "$OUT/strategies.tsv" ]; then
     echo
     echo "-- python -m stepflow.train model=sd35_medium_random, one iteration per strategy (from metrics.csv / memory.csv)"

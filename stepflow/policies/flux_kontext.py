@@ -33,12 +33,17 @@ from torch import Tensor
 from stepflow.errors import StepflowError
 from stepflow.policies.base import Cond
 from stepflow.policies.edit import SourceImages
-from stepflow.policies.flux import FluxPolicy, pack_latents, unpack_latents
+from stepflow.policies.flux import LORA_TARGETS_FLUX, FluxPolicy, pack_latents, unpack_latents
 from stepflow.policies.pipeline import load_pipeline, resolve_dtype
 
-__all__ = ["FLUX_KONTEXT", "FluxKontextPolicy", "load_flux_kontext_pipeline", "kontext_ids"]
+__all__ = ["FLUX_KONTEXT", "LORA_TARGETS_FLUX_KONTEXT", "FluxKontextPolicy", "load_flux_kontext_pipeline",
+           "kontext_ids"]
 
 FLUX_KONTEXT = "black-forest-labs/FLUX.1-Kontext-dev"
+
+#: flow_grpo's Kontext LoRA targets (scripts/train_flux_kontext.py): FLUX's (attention of both streams, the
+#: double-stream MLPs) and the single-stream blocks' ``proj_mlp``
+LORA_TARGETS_FLUX_KONTEXT: tuple[str, ...] = LORA_TARGETS_FLUX + ("proj_mlp",)
 
 
 def load_flux_kontext_pipeline(path: str, dtype: torch.dtype = torch.bfloat16, vae_dtype: torch.dtype = torch.float32,

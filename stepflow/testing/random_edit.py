@@ -151,7 +151,12 @@ def _vae_encoder(pipe, model: str):
 
 def edit_param_counts(model: str, lora_rank: int = 32, targets: Sequence[str] | None = None) -> dict[str, int]:
     """Exact parameter counts (:func:`stepflow.testing.random_policies.param_counts`) of ``model``'s transformer, its
-    LoRA (rank ``lora_rank`` on the family's targets) and VAE: the text-to-image twin's."""
+    LoRA (rank ``lora_rank`` on the family's targets: Kontext's add the single-stream ``proj_mlp``) and VAE: the
+    text-to-image twin's modules."""
+    if targets is None and model == "flux_kontext":
+        from stepflow.policies.flux_kontext import LORA_TARGETS_FLUX_KONTEXT
+
+        targets = LORA_TARGETS_FLUX_KONTEXT
     return rp.param_counts(_twin(model), lora_rank, targets)
 
 
