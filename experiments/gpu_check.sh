@@ -189,9 +189,24 @@ edit_runs() {
       loop.iterations=1 loop.prompts_per_iter=1 loop.group_size=4 loop.num_steps=4 loop.substeps=2 \
       train.micro_batch_size=4 advantage=gain sampler=flow_sde eval.every=0 eval.max_prompts=1 eval.num_steps=2 \
       eval.batch_size=1 eval.grid_prompts=1 "hydra.run.dir=$d"
-    { [ -f "$OUT/edit.tsv" ] || printf 'model\tpeak_alloc_gib\tpeak_reserved_gib\titeration_s\n'
-      printf '%s\t%s\t%s\n' "$m" "$(tail -n 1 "$d/memory.csv" 2>/dev/null | cut -d, -f2,3 | tr , '\t')" \
-        "$(grep -o 'time/iteration_s[^,]*' "$d/metrics.csv" 2>/dev/null | head -1)"; } >>"$OUT/edit.tsv"
+    "$PY" - "$d" "$m" "$OUT/edit.tsv" <<'EOF'
+import csv, sys
+from pathlib import Path
+d, m, out = Path(sys.argv[1]), sys.argv[2], Path(sys.argv[3])
+row = {"model": m}
+try:
+    last = [r for r in csv.DictReader((d / "metrics.csv").open()) if r.get("time/iteration_s")][-1]
+    row.update(iteration_s=last["time/iteration_s"], reward=last.get("train/reward_mean", ""),
+               grad_norm=last.get("train/grad_norm", ""))
+    mem = [r for r in csv.DictReader((d / "memory.csv").open()) if r["iteration"] != "start"][-1]
+    row.update(peak_alloc_gib=mem["peak_allocated_gib"], peak_reserved_gib=mem["peak_reserved_gib"])
+except (OSError, IndexError, KeyError) as e:
+    row["note"] = type(e).__name__
+cols = ["model", "peak_alloc_gib", "peak_reserved_gib", "iteration_s", "reward", "grad_norm", "note"]
+with out.open("a") as fh:
+    fh.write(("" if out.is_file() and out.stat().st_size else "\t".join(cols) + "\n")
+             + "\t".join(str(row.get(c, "")) for c in cols) + "\n")
+EOF
     [ "${GPU_CHECK_KEEP_RUNS:-0}" = 1 ] || rm -rf "$d"
   done
 }
