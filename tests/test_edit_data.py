@@ -148,3 +148,31 @@ def test_the_cli_refuses_a_missing_source_in_one_line(cli, tmp_path):
     assert res.returncode != 0 and "Traceback" not in res.stderr
     last = [ln for ln in res.stderr.splitlines() if ln.strip()][-1]
     assert "data.train_file" in last and "red_circle.png" in last and "'image'" in last
+
+
+# ---------------------------------------------------------------------------------------------- the loop's phases
+def test_a_rollout_of_an_edit_plan_carries_each_groups_source_through_estimates_and_scores(compose, edit_set):
+    """rollout -> estimate_states -> score on the tiny Kontext twin: each row's condition holds its record's source
+    latents (the same within a group), the x̂0 estimates and the reward use them."""
+    from stepflow.core.data import PromptPlanner
+    from stepflow.core.parts import from_option
+    from stepflow.core.rollout import estimate_states, rollout, score
+    from stepflow.train import build_policy
+
+    pol = build_policy(compose("train", ["model=flux_kontext_tiny", "lora.rank=2"]))
+    recs = load_prompt_file(edit_set / "train.jsonl", "data.train_file", source_key="image")
+    plan = PromptPlanner(recs, prompts_per_iter=2, group_size=2, seed=0).plan(0)
+    traj = rollout(pol, plan, from_option("sampler", "flow_sde"), num_steps=2, guidance=1.0)
+    assert traj.cond.image.shape == (4, 16, 8, 8)  # 32 px sources resized to the 64 px output
+    expect = pol.encode(plan.prompts, [m[SOURCE_KEY] for m in plan.meta]).image
+    assert torch.equal(traj.cond.image, expect) and torch.equal(traj.cond.image[0], traj.cond.image[1])
+    x0 = estimate_states(pol, traj, substeps=2, guidance=1.0)  # substep 1 evaluates the model on every state
+    import dataclasses
+
+    for i in range(4):  # batched over rows and states == each trajectory alone (its own source only)
+        one = dataclasses.replace(traj, latents=traj.latents[i:i + 1], velocities=traj.velocities[i:i + 1],
+                                  log_probs=traj.log_probs[i:i + 1], trainable=traj.trainable[i:i + 1],
+                                  cond=traj.cond.index([i]), prompts=traj.prompts[i:i + 1], meta=traj.meta[i:i + 1])
+        assert torch.allclose(estimate_states(pol, one, substeps=2, guidance=1.0)[0], x0[i], atol=1e-5)
+    sc = score(pol, SourceSimilarity(), traj)
+    assert torch.isfinite(sc.rewards[:, -1]).all() and "l1" in sc.components
