@@ -193,9 +193,9 @@ def test_full_finetuning_saves_a_transformer_the_loader_takes_back(tiny_dir, sou
     assert (ours - again).abs().max().item() <= 1e-6 and (ours - ref).abs().max().item() > 1e-4
 
 
-def test_a_text_to_image_flux_folder_loads_as_kontext_only_as_flux(tiny_pipeline):
-    """A FluxPipeline folder is FLUX family; the loader takes it (same components) — the refusal is FLUX.2's or
-    another family's folder (ModelLoadError naming model.path)."""
+def test_another_familys_folder_is_one_line_naming_model_path(tiny_pipeline):
+    """A Qwen-Image folder given as FLUX.1 Kontext weights: one ModelLoadError line naming model.path and both
+    families (a FLUX.1 text-to-image folder is the same family and is not refused: its components load)."""
     from stepflow.errors import ModelLoadError
 
     with pytest.raises(ModelLoadError) as info:
