@@ -16,6 +16,8 @@
 #   7. img2 (not in the default parts; GPU_CHECK_PARTS="env img2"): FLUX.2-dev / Z-Image (docs/models2/image.md):
 #                   the memory table, then one CLI iteration of model=zimage_random (LoRA; full when the GPU
 #                   has >= 120 GiB) and model=flux2_random (LoRA, >= 100 GiB), results in img2.tsv         ~150 s
+#   8. edit (not in the default parts; GPU_CHECK_PARTS="env edit"): python -m stepflow.train model=flux_kontext_random / qwen_image_edit_random, LoRA, trainer=ddp,
+#                   data=edit_tiny reward=source_similarity, one iteration each; peaks into edit.tsv           ~150 s
 #
 # Estimates: a transformer forward of B samples at 512 px costs 2 x (per-token weights) x tokens per sample
 # (SD3.5-M ~5 TFLOP, SD3.5-L ~15, FLUX.1-dev ~28 with 512 T5 tokens, Qwen-Image ~29), a checkpointed training step
@@ -229,6 +231,41 @@ EOF2
   [ "${GPU_CHECK_KEEP_RUNS:-0}" = 1 ] || rm -rf "$d"
 }
 
+# the editing families (FLUX.1 Kontext, Qwen-Image-Edit; not in the default PARTS: GPU_CHECK_PARTS="env edit"):
+# one LoRA iteration of each *_random model (512 px output, 512 px / 1024²-area sources) on the tiny edit set with the
+# source_similarity reward, trainer=ddp on one GPU, peak memory from memory.csv into $OUT/edit.tsv
+edit_runs() {
+  local limit=$1 m d
+  for m in flux_kontext_random qwen_image_edit_random; do
+    d="$RUNS/edit-$m"; rm -rf "$d"
+    local dev=(); [ "$TINY" != 1 ] && dev=(trainer=ddp trainer.devices=1)
+    part "edit_$m" "$limit" "$PY" -m stepflow.train "model=$m" "${TRAINER[@]}" "${dev[@]}" data=edit_tiny \
+      reward=source_similarity +callbacks.memory._target_=stepflow.testing.random_policies.peak_memory_callback \
+      loop.iterations=1 loop.prompts_per_iter=1 loop.group_size=4 loop.num_steps=4 loop.substeps=2 \
+      train.micro_batch_size=4 advantage=gain sampler=flow_sde eval.every=0 eval.max_prompts=1 eval.num_steps=2 \
+      eval.batch_size=1 eval.grid_prompts=1 "hydra.run.dir=$d"
+    "$PY" - "$d" "$m" "$OUT/edit.tsv" <<'EOF'
+import csv, sys
+from pathlib import Path
+d, m, out = Path(sys.argv[1]), sys.argv[2], Path(sys.argv[3])
+row = {"model": m}
+try:
+    last = [r for r in csv.DictReader((d / "metrics.csv").open()) if r.get("time/iteration_s")][-1]
+    row.update(iteration_s=last["time/iteration_s"], reward=last.get("train/reward_mean", ""),
+               grad_norm=last.get("train/grad_norm", ""))
+    mem = [r for r in csv.DictReader((d / "memory.csv").open()) if r["iteration"] != "start"][-1]
+    row.update(peak_alloc_gib=mem["peak_allocated_gib"], peak_reserved_gib=mem["peak_reserved_gib"])
+except (OSError, IndexError, KeyError) as e:
+    row["note"] = type(e).__name__
+cols = ["model", "peak_alloc_gib", "peak_reserved_gib", "iteration_s", "reward", "grad_norm", "note"]
+with out.open("a") as fh:
+    fh.write(("" if out.is_file() and out.stat().st_size else "\t".join(cols) + "\n")
+             + "\t".join(str(row.get(c, "")) for c in cols) + "\n")
+EOF
+    [ "${GPU_CHECK_KEEP_RUNS:-0}" = 1 ] || rm -rf "$d"
+  done
+}
+
 say "gpu_check.sh: parts [$PARTS], total limit ${TOTAL}s, tiny=$TINY, OUT=$OUT, RUNS=$RUNS"
 for p in $PARTS; do
   case $p in
@@ -258,7 +295,9 @@ for p in $PARTS; do
       img2_run zimage lora 40
       img2_run zimage full 120
       img2_run flux2 lora 100 ;;
-    *) say "gpu_check.sh: unknown part '$p' (env sd35m strat_lora big strat_full wan img2)" ;;
+    edit)  # FLUX.1 Kontext and Qwen-Image-Edit (docs/guide.md, editing)
+      edit_runs 120 ;;
+    *) say "gpu_check.sh: unknown part '$p' (env sd35m strat_lora big strat_full wan img2 edit)" ;;
   esac
 done
 
@@ -288,6 +327,11 @@ EOF
     echo
     echo "-- FLUX.2-dev / Z-Image, one CLI iteration each (model=<m>_random; docs/models2/image.md)"
     if command -v column >/dev/null; then column -t -s $'\t' "$OUT/img2.tsv"; else cat "$OUT/img2.tsv"; fi
+  fi
+  if [ -f "$OUT/edit.tsv" ]; then
+    echo
+    echo "-- the editing families, one LoRA iteration each (memory.csv peaks)"
+    cat "$OUT/edit.tsv"
   fi
   if [ -f "$OUT/strategies.tsv" ]; then
     echo

@@ -297,6 +297,9 @@ class DataConfig:
     train_file: str = MISSING  #: training prompts
     eval_file: str = MISSING  #: held-out prompts
     balance_by: str | None = None  #: draw prompts balanced over this record key (e.g. category)
+    #: an edit data set: the record field with each prompt's source image path (flow_grpo's counting_edit: image);
+    #: null: text-to-image prompts (stepflow.core.data.load_prompt_file)
+    source_key: str | None = None
 
 
 def ObjectiveConfig(name: str = "grpo", **fields):  # noqa: N802 - the name code and tests build objectives by

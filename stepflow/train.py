@@ -65,6 +65,11 @@ class Settings:
     objective: Any
     window: Any
     strategy: str = "single"  #: the trainer's strategy kind (stepflow.core.dist.strategy_kind_of_config)
+    #: the ``_target_`` of the model / reward config, located but not built (its capability flags, e.g.
+    #: ``takes_source`` / ``reads_source``, for the requirement rows); None where it cannot be located
+    model: Any = None
+    reward: Any = None
+    model_name: str = "?"  #: ``model.name`` (for messages)
 
 
 def settings(cfg: DictConfig) -> Settings:
@@ -87,7 +92,8 @@ def settings(cfg: DictConfig) -> Settings:
     s = Settings(loop=to_config(cfg.loop, LoopConfig, "loop"), train=train, eval=to_config(cfg.eval, EvalConfig, "eval"),
                  ema=to_config(cfg.ema, EmaConfig, "ema"), lora=to_config(cfg.lora, LoraConfig, "lora"),
                  data=to_config(cfg.data, DataConfig, "data"), strategy=strategy_kind_of_config(cfg.get("trainer")),
-                 **parts)
+                 model=_located(cfg.get("model")), reward=_located(cfg.get("reward")),
+                 model_name=str((cfg.get("model") or {}).get("name", _choice("model") or "?")), **parts)
     check_trainer(cfg.get("trainer"), s.loop)
     s.objective.bind(train)
     if s.objective.rollout_sampler is not None:  # the objective's own rollout sampler (distill: the ODE)
@@ -104,6 +110,20 @@ def settings(cfg: DictConfig) -> Settings:
         s.advantage.over = "all"
     requirements.check(s)
     return s
+
+
+def _located(node) -> Any:
+    """The object a config node's ``_target_`` names (a class, a classmethod, a factory), imported but not called;
+    None without one or when it cannot be imported (instantiating it later reports that)."""
+    target = node.get("_target_") if isinstance(node, (DictConfig, dict)) else None
+    if not isinstance(target, str):
+        return None
+    try:
+        from hydra._internal.utils import _locate
+
+        return _locate(target)
+    except Exception:  # noqa: BLE001 - an unknown target fails with its own message when built
+        return None
 
 
 def _choice(group: str) -> str | None:
@@ -124,12 +144,13 @@ def build_module(cfg: DictConfig, run_dir: Path):
     s = settings(cfg)
     loop = s.loop
     same_latent = loop.same_latent if s.objective.same_latent is None else s.objective.same_latent
-    train_records = load_prompt_file(s.data.train_file, "data.train_file")
-    eval_records = load_prompt_file(s.data.eval_file, "data.eval_file")
+    train_records = load_prompt_file(s.data.train_file, "data.train_file", s.data.source_key)
+    eval_records = load_prompt_file(s.data.eval_file, "data.eval_file", s.data.source_key)
     plan = PromptPlanner(train_records, loop.prompts_per_iter, loop.group_size, seed=loop.seed,
                         same_latent=same_latent, balance_by=s.data.balance_by)
     torch.manual_seed(loop.seed)
     policy = build_policy(cfg)
+    _check_edit_data(policy, s)  # a model whose config did not say whether it edits: asked once built
     reward = build_reward(cfg)
     from stepflow.rewards.base import check_modality
 
@@ -137,6 +158,14 @@ def build_module(cfg: DictConfig, run_dir: Path):
                    f"model={_choice('model') or getattr(policy, 'name', None) or type(policy).__name__}")
     return GRPOModule(policy, reward, s.sampler, s.advantage, plan, eval_records, loop, s.train, s.eval, s.ema,
                       run_dir, window=s.window, objective=s.objective)
+
+
+def _check_edit_data(policy, s: Settings) -> None:
+    """The requirement rows on the data set and the model's ``takes_source``, with the built policy's own flag."""
+    from stepflow.core import requirements
+
+    for msg in requirements.edit_failures(s, getattr(policy, "takes_source", False)):
+        raise StepflowError(msg)
 
 
 def build_trainer(cfg: DictConfig, run_dir: Path):

@@ -187,8 +187,9 @@ def test_full_fine_tuning_writes_no_random_weights_unless_asked(tmp_path):
 
 
 # ------------------------------------------------------------------------------------------ model=*_random configs
-#: the *_random configs built by random_policies.random_policy (a family with its own builder, e.g. the Wan video
-#: families' stepflow/testing/tiny_wan.py, tests its configs in its own test file)
+#: the *_random configs built by random_policies.random_policy (a family with its own builder tests its configs in
+#: its own file: the Wan families' stepflow/testing/tiny_wan.py, the editing families' random_edit.py in
+#: tests/test_random_edit.py, FLUX.2 / Z-Image's random_flux2_zimage.py in tests/test_random_flux2_zimage.py)
 RANDOM_CONFIGS = sorted(p.stem for p in (ROOT / "stepflow" / "conf" / "model").glob("*_random.yaml")
                         if "random_policies.random_policy" in p.read_text())
 

@@ -10,6 +10,11 @@ autograd); the time grid (``num_steps + 1`` points from 1 to 0, decreasing); ``e
 prompts, equal rows; no encoder call the second time) and the negative conditioning; ``decode`` to fp32 images in
 [0, 1] of the configured size; the adapter changes the velocity, ``reference()`` is the base model, and
 ``save_trained`` / ``model.lora.path`` round-trip it exactly; a missing model path is one line naming the field.
+
+An editing family (the policy's ``takes_source`` capability) encodes each prompt with a source image
+(``encode(prompts, sources)``, :func:`_encode`: a fixed random image per prompt); its CFG rows are
+``negative_for(cond)``; the source is encoded once (no text encoder or VAE encoder the second time) and reaches the
+velocity.
 """
 
 from __future__ import annotations
@@ -20,6 +25,8 @@ import pytest
 import torch
 
 pytest.importorskip("diffusers")
+
+import zlib  # noqa: E402
 
 from stepflow.errors import StepflowError  # noqa: E402
 
@@ -69,6 +76,10 @@ FAMILIES = [
     Family("zimage_tiny", "ZImagePolicy", guidance=1.0),
     Family("flux2_random", "Flux2Policy", tuple(TINY_RANDOM), guidance=1.0, path_field=None),
     Family("zimage_random", "ZImagePolicy", tuple(TINY_RANDOM), guidance=1.0, path_field=None),
+    Family("flux_kontext_tiny", "FluxKontextPolicy", guidance=1.0),
+    Family("qwen_image_edit_tiny", "QwenImageEditPolicy", guidance=4.0),
+    Family("flux_kontext_random", "FluxKontextPolicy", tuple(TINY_RANDOM), guidance=1.0, path_field=None),
+    Family("qwen_image_edit_random", "QwenImageEditPolicy", tuple(TINY_RANDOM), guidance=4.0, path_field=None),
 ]
 PARAMS = [pytest.param(f, id=f.id) for f in FAMILIES]
 
@@ -109,6 +120,22 @@ def _is_video(policy) -> bool:
     return getattr(policy, "modality", "image") == "video"
 
 
+def _edits(pol) -> bool:
+    return bool(getattr(pol, "takes_source", False))
+
+
+def _source(prompt: str, size: int = 64) -> torch.Tensor:
+    """A fixed random source image (3, size, size) in [0, 1] for ``prompt`` (an editing family's)."""
+    return torch.rand(3, size, size, generator=torch.Generator().manual_seed(zlib.crc32(prompt.encode())))
+
+
+def _encode(pol, prompts, sources=None):
+    """``pol.encode(prompts)``; an editing family's with a source image per prompt (:func:`_source`)."""
+    if not _edits(pol):
+        return pol.encode(prompts)
+    return pol.encode(prompts, sources=sources if sources is not None else [_source(p) for p in prompts])
+
+
 def _latents(policy, b=2, seed=1):
     return torch.randn(b, *policy.latent_shape, generator=torch.Generator().manual_seed(seed))
 
@@ -140,7 +167,7 @@ def test_class_and_trainable_parameters(built, fam):
 def test_velocity_shape_dtype_determinism_and_nfe(built, fam):
     pol = built(fam)
     x = _latents(pol)
-    cond = pol.encode(PROMPTS)
+    cond = _encode(pol, PROMPTS)
     n0, g0 = pol.nfe, pol.nfe_grad
     with torch.no_grad():
         v = pol.velocity(x, 0.5, cond)
@@ -189,20 +216,24 @@ def test_encode_is_cached_per_prompt_and_negative_is_one_row_repeated(built, fam
 
 
 def _check_encode(pol):
-    c = pol.encode(["a red circle", "a blue square", "a red circle"])
+    c = _encode(pol, ["a red circle", "a blue square", "a red circle"])
     assert c.tokens.shape[0] == 3 and torch.equal(c.tokens[0], c.tokens[2])
     assert not torch.equal(c.tokens[0], c.tokens[1])
     encoders = [m for m in getattr(pol, "text_encoders", [getattr(pol, "text_encoder", None)]) if m is not None]
+    if _edits(pol):  # the source's VAE encoding is cached too
+        encoders.append(pol.vae.encoder)
     calls = []
     hooks = [m.register_forward_hook(lambda *a: calls.append(1)) for m in encoders]
     try:
-        again = pol.encode(["a blue square"])
+        again = _encode(pol, ["a blue square"])
     finally:
         for h in hooks:
             h.remove()
     assert calls == [] and torch.equal(again.tokens[0], c.tokens[1])  # cached: no encoder ran
-    neg = pol.negative_cond(3)
+    neg = pol.negative_for(c) if _edits(pol) else pol.negative_cond(3)
     assert neg.tokens.shape[0] == 3 and torch.equal(neg.tokens[0], neg.tokens[2])
+    if _edits(pol):  # the unconditional rows see the same source latents
+        assert neg.image is not None and torch.equal(neg.image, c.image) and not torch.equal(c.image[0], c.image[1])
 
 
 @pytest.mark.parametrize("fam", PARAMS)
@@ -222,7 +253,7 @@ def _perturbed(compose, fam):
     with torch.no_grad():
         for p in pol.lora_parameters():
             p.normal_(0.0, 0.2)  # gaussian init has B = 0: make the adapter non-trivial
-    x, cond = _latents(pol), pol.encode(PROMPTS)
+    x, cond = _latents(pol), _encode(pol, PROMPTS)
     with torch.no_grad():
         return pol, x, cond, pol.velocity(x, 0.7, cond)
 
@@ -256,7 +287,7 @@ def test_a_saved_adapter_loads_back_exactly(compose, fam, tmp_path):
     fresh.load_lora(saved)
     assert fresh.has_lora and all(p.requires_grad for p in fresh.lora_parameters())
     with torch.no_grad():
-        assert (fresh.velocity(x, 0.7, fresh.encode(PROMPTS)) - ours).abs().max().item() <= 1e-5
+        assert (fresh.velocity(x, 0.7, _encode(fresh, PROMPTS)) - ours).abs().max().item() <= 1e-5
 
 
 @pytest.mark.parametrize("fam", [p for p in PARAMS if p.values[0].path_field])
@@ -266,3 +297,18 @@ def test_a_missing_model_is_one_line_naming_the_field(compose, fam, tmp_path):
     msg = str(info.value)
     assert "\n" not in msg and str(tmp_path / "nowhere") in msg and fam.path_field in msg
     assert info.value.__cause__ is None
+
+
+@pytest.mark.parametrize("fam", [p for p in PARAMS if "Kontext" in p.values[0].policy or "Edit" in p.values[0].policy])
+def test_an_editing_familys_source_reaches_the_velocity_and_refuses_none(built, fam):
+    pol = built(fam)
+    assert _edits(pol)
+    x = _latents(pol)
+    with torch.no_grad():
+        v = pol.velocity(x, 0.5, _encode(pol, PROMPTS))
+        other = pol.velocity(x, 0.5, _encode(pol, PROMPTS, [_source(p + "!") for p in PROMPTS]))
+        again = pol.velocity(x, 0.5, _encode(pol, PROMPTS).index([0, 1]).repeat(1))
+    assert (other - v).abs().max() > 1e-5 and torch.equal(again, v)  # the source matters; the condition carries it
+    with pytest.raises(StepflowError) as info:
+        pol.encode(PROMPTS)
+    assert "\n" not in str(info.value) and "source" in str(info.value)

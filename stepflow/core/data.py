@@ -11,12 +11,20 @@ Prompt files:
 - ``.jsonl``: one JSON object per line with a ``"prompt"`` field (other fields, e.g. GenEval metadata, are kept as ``meta``);
 - ``.txt``: one prompt per line (blank lines ignored).
 
+An **edit data set** (``data.source_key``, e.g. ``image``: flow_grpo's counting_edit layout) is a ``.jsonl`` whose
+records also name a source image: ``{"prompt": "<instruction>", "image": "<path>", ...}``, the path absolute or
+relative to the file's folder (PNG, JPEG, WebP, anything PIL reads). The loader checks that every source image can be
+read and stores its absolute path in the record under :data:`~stepflow.policies.base.SOURCE_KEY`, where an editing
+policy (``encode_rows``) and a reward that reads the source (:func:`source_images`) find it.
+
 A path ``pkg://stepflow/<rel>`` resolves inside the installed package.
 """
 
 from __future__ import annotations
 
+import functools
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -25,7 +33,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from stepflow.errors import PromptFileError
+from stepflow.errors import PromptFileError, StepflowError
 
 
 def resolve_path(path: str | Path) -> Path:
@@ -72,11 +80,15 @@ def _jsonl_record(line: str, where: str, field: str) -> dict[str, Any]:
     return rec
 
 
-def load_prompt_file(path: str | Path, field: str = "data.train_file") -> list[dict[str, Any]]:
+def load_prompt_file(path: str | Path, field: str = "data.train_file",
+                     source_key: str | None = None) -> list[dict[str, Any]]:
     """Read a prompt file into a list of records ``{"prompt": str, ...meta}``.
 
     Raises :class:`PromptFileError` with a one-line message naming ``field`` and the path when the file is missing,
     a directory, not UTF-8 (with the byte offset), empty, or has a malformed line (with the line number).
+    ``source_key``: an edit data set (see the module docstring): every record's ``source_key`` names a readable source
+    image, whose absolute path goes to ``record[SOURCE_KEY]``; one line naming the file, the line and the field when
+    it does not.
     """
     p = resolve_path(path)
     if p.is_dir():
@@ -93,9 +105,92 @@ def load_prompt_file(path: str | Path, field: str = "data.train_file") -> list[d
         if not line:
             continue
         records.append(_jsonl_record(line, f"{p}:{n}", field) if p.suffix == ".jsonl" else {"prompt": line})
+        if source_key:
+            _attach_source(records[-1], p, n, field, source_key)
     if not records:
         raise PromptFileError(f"{field}: prompt file is empty: {p}; give {_FORMATS}")
     return records
+
+
+def _attach_source(rec: dict[str, Any], file: Path, line: int, field: str, key: str) -> None:
+    """``rec[SOURCE_KEY]`` = the absolute path of the readable source image that ``rec[key]`` names."""
+    from stepflow.policies.base import SOURCE_KEY
+
+    where = f"{field}: {file}:{line}"
+    if file.suffix != ".jsonl":
+        raise PromptFileError(f"{field}: {file} is a .txt prompt file, but data.source_key={key} asks for an edit data "
+                              f"set: a .jsonl whose records give {{\"prompt\": \"<instruction>\", \"{key}\": \"<source "
+                              f"image path>\"}}; set data.source_key=null for text-to-image prompts")
+    value = rec.get(key)
+    if not isinstance(value, str) or not value.strip():
+        got = "no such field" if key not in rec else f"{type(value).__name__} {value!r}"
+        raise PromptFileError(f"{where}: field '{key}' (data.source_key) must be the path of the source image to "
+                              f"edit, got {got}; give every record \"{key}\": \"<path>\" (absolute or relative to "
+                              f"{file.parent})")
+    img = Path(value).expanduser()
+    img = img if img.is_absolute() else file.parent / img
+    why = unreadable_image(img)
+    if why:
+        raise PromptFileError(f"{where}: field '{key}': cannot read the source image {img} ({why}); fix the path "
+                              f"(absolute or relative to {file.parent}) or the file")
+    rec[SOURCE_KEY] = str(img.resolve())
+
+
+def unreadable_image(path: Path) -> str | None:
+    """Why the image file ``path`` cannot be read (missing, a directory, not an image PIL decodes), or None."""
+    if not path.exists():
+        return "no such file"
+    if not path.is_file():
+        return "not a file"
+    try:
+        from PIL import Image
+
+        with Image.open(path) as im:
+            im.verify()
+    except Exception as e:  # noqa: BLE001 - UnidentifiedImageError, a truncated file, an OSError
+        msg = " ".join(str(e).split())[:120]
+        return f"{type(e).__name__}: {msg}" if msg else type(e).__name__
+    return None
+
+
+@functools.lru_cache(maxsize=256)
+def load_source_image(path: str):
+    """The RGB PIL image at ``path`` (an edit's source), cached; one line naming the file when it cannot be read."""
+    from PIL import Image
+
+    try:
+        with Image.open(path) as im:
+            return im.convert("RGB")
+    except Exception as e:  # noqa: BLE001
+        why = unreadable_image(Path(path)) or f"{type(e).__name__}: {e}"
+        raise PromptFileError(f"data.source_key: cannot read the source image {path} ({why}); fix the data set's "
+                              "path or the file") from None
+
+
+def source_images(meta: Sequence[dict[str, Any]] | None, size: Sequence[int], what: str = "reward"
+                  ) -> torch.Tensor:
+    """The source images of the records ``meta`` (``record[SOURCE_KEY]``, set by :func:`load_prompt_file`) as
+    (B, 3, H, W) fp32 in [0, 1], each resized (bicubic) to ``size = (H, W)``: what a reward that reads the source
+    (``Reward.reads_source``) receives beside the edited images. A record without a source is one line naming
+    ``what``."""
+    import numpy as np
+    from PIL import Image
+
+    from stepflow.policies.base import SOURCE_KEY
+
+    h, w = int(size[0]), int(size[1])
+    rows = []
+    for m in meta or [None]:
+        path = m.get(SOURCE_KEY) if isinstance(m, dict) else None
+        if not path:
+            raise StepflowError(f"{what} scores an edit against its source image, but the prompts carry none; use "
+                                  "an edit data set (data.source_key=image, e.g. data=edit_tiny) or a reward that "
+                                  "reads no source")
+        img = load_source_image(str(path))
+        if img.size != (w, h):
+            img = img.resize((w, h), Image.BICUBIC)
+        rows.append(torch.from_numpy(np.asarray(img, dtype=np.float32) / 255.0).permute(2, 0, 1))
+    return torch.stack(rows)
 
 
 @dataclass

@@ -18,13 +18,13 @@ from torch import Tensor
 
 from stepflow.core import stop
 from stepflow.errors import StopRequested
-from stepflow.policies.base import FlowPolicy
+from stepflow.policies.base import FlowPolicy, encode_rows
 
 
 @torch.no_grad()
 def sample_ode(policy: FlowPolicy, prompts: Sequence[str], num_steps: int = 10, guidance: float = 1.0, seed: int = 0,
                batch_size: int = 64, generator: torch.Generator | None = None, offset: int = 0,
-               total: int | None = None, dist=None) -> Tensor:
+               total: int | None = None, dist=None, meta: Sequence[dict[str, Any]] | None = None) -> Tensor:
     """Deterministic Euler ODE sampling on ``policy.time_grid(num_steps)`` (from t=1, noise, to t=0, data).
 
     ``x_{k+1} = x_k + (t_{k+1} - t_k) * v(x_k, t_k)`` with ``v = x1 - x0`` (rectified flow). The initial noise of all
@@ -32,6 +32,7 @@ def sample_ode(policy: FlowPolicy, prompts: Sequence[str], num_steps: int = 10, 
     not on ``batch_size``. ``offset`` / ``total``: these prompts are samples ``offset..`` of ``total`` (a rank's shard of
     an evaluation), so they get the noise they would get in one process. NFE = ``num_steps`` (x2 with guidance != 1).
     ``dist``: the ranks agree on a stop request before each batch (every rank must sample the same number of batches).
+    ``meta``: the prompts' records (an editing model reads each one's source image off them, :func:`encode_rows`).
     Returns images (B, 3, H, W) in [0, 1] on the CPU.
     """
     prompts = list(prompts)
@@ -50,7 +51,7 @@ def sample_ode(policy: FlowPolicy, prompts: Sequence[str], num_steps: int = 10, 
         elif dist.stop_requested():
             raise StopRequested(stop.reason())
         x = noise[i:i + batch_size].to(dev)
-        cond = policy.encode(prompts[i:i + batch_size])
+        cond = encode_rows(policy, prompts[i:i + batch_size], None if meta is None else meta[i:i + batch_size])
         for t, t_next in zip(grid[:-1], grid[1:]):
             v = policy.velocity(x, t, cond, guidance=guidance)
             x = x + (t_next - t) * v
@@ -128,8 +129,9 @@ def evaluate_reward(policy: FlowPolicy, reward, records: Sequence[dict[str, Any]
     # every rank samples `per` prompts when the transformer's passes are collectives (FSDP2, DeepSpeed) or the ranks
     # agree on stopping per batch: the last rank's short slice is padded with the first prompt, its images dropped
     padded = prompts + [records[0]["prompt"]] * (per - len(prompts)) if world > 1 else prompts
+    padded_meta = mine + [records[0]] * (len(padded) - len(prompts))
     images = sample_ode(policy, padded, num_steps=num_steps, guidance=guidance, seed=seed, batch_size=batch_size,
-                        offset=rank * per, total=n, dist=dist if world > 1 else None)[:len(prompts)]
+                        offset=rank * per, total=n, dist=dist if world > 1 else None, meta=padded_meta)[:len(prompts)]
     out = reward(images, prompts, mine) if mine else None
     if detail is not None:
         detail.update(records=mine, scores=None if out is None else out.scores.float().tolist(),

@@ -18,7 +18,7 @@ from typing import Any
 
 from stepflow.errors import StepflowError
 
-__all__ = ["ROWS", "WARN", "check", "failures", "candidate_steps", "noise_free_steps"]
+__all__ = ["ROWS", "WARN", "check", "failures", "candidate_steps", "noise_free_steps", "edit_failures"]
 
 Row = tuple[str, Callable[[Any], bool], Callable[[Any], str]]
 
@@ -166,8 +166,43 @@ def _trains(s) -> str:
     """What the credit's branched rollout strategy trains, in its refusals (``RolloutStrategy.trains``)."""
     return s.advantage.rollout_strategy().trains
 
+def _model_edits(s) -> bool | None:
+    """Whether the model edits a source image (``FlowPolicy.takes_source`` of its config's ``_target_``; None: the
+    target does not say, checked again once the policy is built)."""
+    from stepflow.policies.base import takes_source
+
+    return takes_source(getattr(s, "model", None))
+
+
+def edit_failures(s, model_edits: bool | None) -> list[str]:
+    """The data set, the model and the reward agree on source images: an edit data set (``data.source_key``) needs
+    an editing model and a text-only one a text-to-image model (``model_edits``: the model's ``takes_source``, None:
+    unknown); a reward that reads the source (``reads_source``) needs an edit data set."""
+    data = getattr(s, "data", None)
+    key, name = getattr(data, "source_key", None), getattr(s, "model_name", "?")
+    if not key and model_edits is not True and not getattr(getattr(s, "reward", None), "reads_source", False):
+        return []
+    out = []
+    if key and model_edits is False:
+        out.append(f"data.source_key={key}: data={s.data.name} is an edit data set (each prompt edits a source image), "
+                   f"which model={name} (text-to-image) cannot take; choose an editing model (model=flux_kontext, "
+                   f"model=qwen_image_edit) or a text-to-image data set (data.source_key=null)")
+    if not key and model_edits is True:
+        out.append(f"data={s.data.name}: model={name} edits a source image, but data={s.data.name} has text prompts "
+                   f"only (data.source_key=null); use an edit data set (e.g. data=edit_tiny, or data.source_key=<the "
+                   f"records' image field>) or a text-to-image model")
+    reward = getattr(s, "reward", None)
+    if not key and getattr(reward, "reads_source", False) is True:
+        out.append(f"reward: {getattr(reward, 'name', type(reward).__name__)} scores an edit against its source "
+                   f"image, which data={s.data.name} does not give (data.source_key=null); use an edit data set (e.g. "
+                   f"data=edit_tiny) or a reward that reads no source")
+    return out
+
+
 #: (name, fails, message): checked in order, the first failing row raised as one line
 ROWS: list[Row] = [
+    ("source images: data, model, reward", lambda s: bool(edit_failures(s, _model_edits(s))),
+     lambda s: edit_failures(s, _model_edits(s))[0]),
     ("train_steps in the grid", lambda s: bool(_listed_outside(s)),
      lambda s: f"train.train_steps: step {_listed_outside(s)[0]!r} is outside 0..{s.loop.num_steps - 1} (loop.num_steps="
                f"{s.loop.num_steps}); use step indices or train.train_steps=null for every stochastic step"),

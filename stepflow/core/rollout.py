@@ -22,7 +22,7 @@ from stepflow.core.data import IterationPlan, seeded_normal
 from stepflow.math.estimate import estimate_x0_with_nfe
 from stepflow.math.sde import TIME_GRIDS, fastvideo_time_grid
 from stepflow.math.solvers import flash_tail, x0_from_v
-from stepflow.policies.base import Cond, FlowPolicy, check_time_grid
+from stepflow.policies.base import Cond, FlowPolicy, check_time_grid, encode_rows
 from stepflow.rewards.base import Reward
 from stepflow.samplers.base import Sampler
 from stepflow.samplers.ode import Ode
@@ -275,7 +275,7 @@ def rollout(policy: FlowPolicy, plan: IterationPlan, sampler: Sampler, num_steps
     """
     device = policy.device
     b = len(plan)
-    cond = policy.encode(plan.prompts)
+    cond = encode_rows(policy, plan.prompts, plan.meta)
     shape = tuple(policy.latent_shape)
     times = (policy.time_grid(num_steps) if grid is None else grid).to(device)
     if times.shape != (num_steps + 1,):

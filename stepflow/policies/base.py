@@ -26,7 +26,7 @@ import copy
 import json
 import math
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -56,28 +56,42 @@ class Cond:
     """Prompt conditioning for a batch.
 
     tokens: (B, L, D) token states; pooled: (B, P) pooled vector (P may be 0: Qwen-Image has none);
-    mask: optional (B, L) bool (True = real token; None = every token is real).
+    mask: optional (B, L) bool (True = real token; None = every token is real);
+    image: optional (B, C, h, w) latents of each row's condition image (an editing model's source image, encoded once
+    per distinct source and carried by every step, log-prob and x̂0 of its group; None: text-only conditioning);
+    negative: optional, the rows' own unconditional conditioning for CFG where it depends on the row (an editing
+    model whose negative prompt is encoded together with the row's source image); None: the policy's negative prompt,
+    the same for every row (:meth:`FlowPolicy.negative_for`).
+    Every batch operation (``index``, ``repeat``, ``to``, ``cat``) applies to every field (``negative`` recursively).
     """
 
     tokens: Tensor
     pooled: Tensor
     mask: Tensor | None = None
+    image: Tensor | None = None
+    negative: "Cond | None" = None
 
     def __len__(self) -> int:
         return self.tokens.shape[0]
 
+    def _map(self, fn, sub) -> "Cond":
+        """``fn`` on every tensor field, ``sub`` on a nested :class:`Cond` (``negative``); None stays None."""
+        out = {}
+        for f in fields(self):
+            v = getattr(self, f.name)
+            out[f.name] = None if v is None else (sub(v) if isinstance(v, Cond) else fn(v))
+        return Cond(**out)
+
     def index(self, idx: Tensor | slice | Sequence[int]) -> "Cond":
         """Select rows (a batch index, slice or index list)."""
-        return Cond(**{f.name: (None if getattr(self, f.name) is None else getattr(self, f.name)[idx]) for f in fields(self)})
+        return self._map(lambda v: v[idx], lambda c: c.index(idx))
 
     def repeat(self, n: int) -> "Cond":
         """Repeat every row ``n`` times along the batch (``[a, b] -> [a, a, b, b]`` for n=2)."""
-        return Cond(**{f.name: (None if getattr(self, f.name) is None else getattr(self, f.name).repeat_interleave(n, 0))
-                       for f in fields(self)})
+        return self._map(lambda v: v.repeat_interleave(n, 0), lambda c: c.repeat(n))
 
     def to(self, *args, **kwargs) -> "Cond":
-        return Cond(**{f.name: (None if getattr(self, f.name) is None else getattr(self, f.name).to(*args, **kwargs))
-                       for f in fields(self)})
+        return self._map(lambda v: v.to(*args, **kwargs), lambda c: c.to(*args, **kwargs))
 
     def pad_to(self, length: int) -> "Cond":
         """Zero-pad the tokens to ``length`` with ``mask`` False on the padding (a no-op at the current length)."""
@@ -88,21 +102,40 @@ class Cond:
             raise ValueError(f"Cond.pad_to: {cur} tokens do not fit in {length}")
         mask = self.mask if self.mask is not None else torch.ones(b, cur, dtype=torch.bool, device=self.tokens.device)
         pad = self.tokens.new_zeros(b, length - cur, *self.tokens.shape[2:])
-        return Cond(tokens=torch.cat([self.tokens, pad], 1), pooled=self.pooled,
-                    mask=torch.cat([mask, mask.new_zeros(b, length - cur)], 1))
+        return replace(self, tokens=torch.cat([self.tokens, pad], 1),
+                       mask=torch.cat([mask, mask.new_zeros(b, length - cur)], 1))
 
     @staticmethod
     def cat(conds: Sequence["Cond"]) -> "Cond":
-        """Concatenate along the batch; token sequences of different lengths are padded (with a mask) to the longest."""
+        """Concatenate along the batch; token sequences of different lengths are padded (with a mask) to the longest.
+        ``negative`` is concatenated when every part has one, else dropped (the parts' unconditional rows are then
+        the policy's negative prompt); condition images must have one shape."""
         length = max(c.tokens.shape[1] for c in conds)
         if any(c.tokens.shape[1] != length for c in conds):
             conds = [c.pad_to(length) for c in conds]
         if any(c.mask is not None for c in conds) and any(c.mask is None for c in conds):
-            conds = [c if c.mask is not None else Cond(c.tokens, c.pooled, torch.ones(
+            conds = [c if c.mask is not None else replace(c, mask=torch.ones(
                 c.tokens.shape[:2], dtype=torch.bool, device=c.tokens.device)) for c in conds]
+        if any(c.negative is None for c in conds):
+            conds = [replace(c, negative=None) for c in conds]
+        if any(c.image is not None for c in conds):
+            if any(c.image is None for c in conds):
+                raise ValueError("Cond.cat: some parts have a condition image and some none")
+            shapes = {tuple(c.image.shape[1:]) for c in conds}
+            if len(shapes) > 1:
+                raise ValueError(f"Cond.cat: condition images of different shapes {sorted(shapes)} cannot share a "
+                                 "batch")
         first = conds[0]
-        return Cond(**{f.name: (None if getattr(first, f.name) is None else torch.cat([getattr(c, f.name) for c in conds]))
-                       for f in fields(first)})
+        out = {}
+        for f in fields(first):
+            v = getattr(first, f.name)
+            if v is None:
+                out[f.name] = None
+            elif isinstance(v, Cond):
+                out[f.name] = Cond.cat([getattr(c, f.name) for c in conds])
+            else:
+                out[f.name] = torch.cat([getattr(c, f.name) for c in conds])
+        return Cond(**out)
 
 
 class TimeInputs:
@@ -290,6 +323,37 @@ def check_time_grid(grid: Tensor, what: str = "time_grid") -> Tensor:
     return grid
 
 
+#: the prompt-record key that holds a row's source image (an absolute path), set by the data loader for an edit data
+#: set (``data.source_key``: :func:`stepflow.core.data.load_prompt_file`)
+SOURCE_KEY = "source_image"
+
+
+def takes_source(obj) -> bool | None:
+    """The :attr:`FlowPolicy.takes_source` capability of a policy, a policy class, or the ``_target_`` of a model
+    config (a class, a ``Class.from_pretrained`` classmethod, or a factory function that carries a ``takes_source``
+    attribute), read without building anything; None when ``obj`` does not say (an unknown factory)."""
+    for o in (obj, getattr(obj, "__self__", None)):
+        flag = getattr(o, "takes_source", None)
+        if isinstance(flag, bool):
+            return flag
+    return None
+
+
+def encode_rows(policy, prompts: Sequence[str], meta: Sequence[Mapping[str, Any]] | None = None) -> Cond:
+    """The conditioning of a batch of prompt records: ``policy.encode(prompts)``, and for a :attr:`takes_source`
+    policy ``policy.encode(prompts, sources=...)`` with each record's source image (``meta[i][SOURCE_KEY]``). A
+    record without one is one line (an edit model on a text-only data set)."""
+    if not getattr(policy, "takes_source", False):
+        return policy.encode(list(prompts))
+    missing = [i for i, m in enumerate(meta or [None] * len(prompts)) if not m or not m.get(SOURCE_KEY)]
+    if missing:
+        name = getattr(policy, "name", type(policy).__name__)
+        raise StepflowError(f"data.source_key: model {name} edits a source image, but prompt {prompts[missing[0]]!r} "
+                            "has none; use an edit data set (records with a source image path, data.source_key="
+                            "image, e.g. data=edit_tiny) or a text-to-image model")
+    return policy.encode(list(prompts), sources=[m[SOURCE_KEY] for m in meta])
+
+
 class FlowPolicy(nn.Module):
     """A text-conditioned flow-matching model that the GRPO loop can roll out and fine-tune (LoRA or full).
 
@@ -320,10 +384,17 @@ class FlowPolicy(nn.Module):
     negative_prompt: str = ""
     #: ``lora`` (adapter on the attention projections, base frozen) or ``full`` (every transformer weight trained)
     finetune: str = "lora"
+    #: capability: the model edits a source image (an instruction-based editing model): :meth:`encode` takes each
+    #: row's source image, ``encode(prompts, sources=[...])``, and the conditioning carries it (``Cond.image``). The
+    #: loop reads the sources off the prompt records (:func:`encode_rows`); the data set must have them
+    #: (``data.source_key``). False: text-to-image, ``encode(prompts)``
+    takes_source: bool = False
 
     # ------------------------------------------------------------------ to implement
     def encode(self, prompts: Sequence[str]) -> Cond:  # pragma: no cover - interface
-        """Encode prompts to conditioning (implementations cache per prompt)."""
+        """Encode prompts to conditioning (implementations cache per prompt). A :attr:`takes_source` policy:
+        ``encode(prompts, sources)``, ``sources`` one source image per prompt (a path, a PIL image or a (3, H, W)
+        tensor in [0, 1])."""
         raise NotImplementedError
 
     def decode(self, latents: Tensor, estimate: bool = False) -> Tensor:  # pragma: no cover - interface
@@ -336,6 +407,15 @@ class FlowPolicy(nn.Module):
         if getattr(self, "_neg_cond", None) is None:
             self._neg_cond = self.encode([self.negative_prompt])
         return self._neg_cond.index([0] * batch_size)
+
+    def negative_for(self, cond: Cond) -> Cond:
+        """The unconditional rows of CFG for the rows of ``cond``: their own (``cond.negative``, e.g. an editing
+        model's negative prompt encoded with each row's source image), else :meth:`negative_cond`; either way with
+        the rows' condition image (``cond.image``), which both branches of the editing pipelines see."""
+        neg = cond.negative if cond.negative is not None else self.negative_cond(len(cond)).to(cond.tokens.device)
+        if cond.image is not None and neg.image is None:
+            neg = replace(neg, image=cond.image)
+        return neg
 
     # ------------------------------------------------------------------ shared
     @property
@@ -395,7 +475,7 @@ class FlowPolicy(nn.Module):
             self.nfe_grad += n
         if guidance == 1.0:
             return self._forward(x, t, cond)
-        neg = self.negative_cond(b).to(x.device)
+        neg = self.negative_for(cond).to(x.device)
         both = self._forward(torch.cat([x, x]), torch.cat([t, t]), Cond.cat([neg, cond]))
         v_u, v_c = both.chunk(2)
         if detach_uncond:

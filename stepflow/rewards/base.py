@@ -45,8 +45,14 @@ class Reward:
     #: Pref-GRPO), and a credit that reads preferences calls it on the images; False: :meth:`compare` follows
     #: from the scalar scores (:func:`preference_from_scores`), which such a credit reads without new reward calls
     pairwise: bool = False
+    #: capability: the reward judges an edit against its source image (an editing data set's): :meth:`score` then
+    #: receives ``source=`` (B, 3, H, W) in [0, 1], each row's source image at the edited image's size, read off the
+    #: prompt records (:func:`stepflow.core.data.source_images`) unless the caller passes it. False: ``score`` is
+    #: called as always (a reward that ignores the source keeps working on edits)
+    reads_source: bool = False
 
     def score(self, images: Tensor, prompts: Sequence[str], meta: Sequence[dict[str, Any]] | None) -> RewardOut:
+        """Score B images (a :attr:`reads_source` reward: ``score(images, prompts, meta, source=...)``)."""
         raise NotImplementedError
 
     def describe(self) -> str:
@@ -65,17 +71,29 @@ class Reward:
         return preference_from_scores(self(images_a, prompts, meta).scores, self(images_b, prompts, meta).scores)
 
     @torch.no_grad()
-    def __call__(self, images: Tensor, prompts: Sequence[str], meta: Sequence[dict[str, Any]] | None = None) -> RewardOut:
+    def __call__(self, images: Tensor, prompts: Sequence[str], meta: Sequence[dict[str, Any]] | None = None,
+                 source: Tensor | None = None) -> RewardOut:
+        """Validate, chunk by :attr:`batch_size`, score. ``source``: (B, 3, H, W) source images of an edit for a
+        :attr:`reads_source` reward (None: read off ``meta``); ignored by a reward that does not read it."""
         ndim = 5 if self.modality == "video" else 4
         if images.ndim != ndim or images.shape[1] != 3:
             raise ValueError(f"reward {self.name}: {self.modality}s must be {MODALITIES[self.modality]} in [0, 1], got "
                              f"{tuple(images.shape)}" + (f"; {_FIX[self.modality]}" if images.ndim == 9 - ndim else ""))
         if len(prompts) != images.shape[0]:
             raise ValueError(f"reward {self.name}: {images.shape[0]} images but {len(prompts)} prompts")
+        if self.reads_source and source is None:
+            from stepflow.core.data import source_images
+
+            source = source_images(meta, images.shape[-2:], what=self.describe())
+        if self.reads_source and source.shape != images.shape:
+            raise ValueError(f"reward {self.name}: source images {tuple(source.shape)} do not match the edited images "
+                             f"{tuple(images.shape)}")
         outs = []
         for i in range(0, images.shape[0], self.batch_size):
             sl = slice(i, i + self.batch_size)
-            outs.append(self.score(images[sl].float().clamp(0, 1), list(prompts[sl]), None if meta is None else list(meta[sl])))
+            extra = {"source": source[sl].float().clamp(0, 1)} if self.reads_source else {}
+            outs.append(self.score(images[sl].float().clamp(0, 1), list(prompts[sl]), None if meta is None else list(meta[sl]),
+                                   **extra))
         comps = {k: torch.cat([o.components[k].float().cpu() for o in outs]) for k in outs[0].components}
         return RewardOut(torch.cat([o.scores.float().cpu() for o in outs]), comps)
 

@@ -69,16 +69,19 @@ class MultiReward(Reward):
         self.modality = next(iter(kinds.values()))  # what every sub-reward scores: images or videos
         self.weights: dict[str, float] = {n: float(weights[n]) for n in names}
         self.mode, self.eps = mode, float(eps)
+        #: an edit's source images are read once here and handed to the sub-rewards that read them
+        self.reads_source = any(r.reads_source for r in self.rewards.values())
 
     def describe(self) -> str:
         return f"reward={self.name} of " + ", ".join(r.describe() for r in self.rewards.values())
 
-    def score(self, images: Tensor, prompts: Sequence[str], meta: Sequence[dict] | None) -> RewardOut:
+    def score(self, images: Tensor, prompts: Sequence[str], meta: Sequence[dict] | None,
+              source: Tensor | None = None) -> RewardOut:
         comps: dict[str, Tensor] = {}
         weighted = torch.zeros(images.shape[0])
         normalized = torch.zeros(images.shape[0])
         for n, reward in self.rewards.items():
-            out = reward(images, prompts, meta)
+            out = reward(images, prompts, meta, source=source)
             r = out.scores.float().cpu()
             comps[n] = r
             for k, v in out.components.items():

@@ -34,6 +34,7 @@ from stepflow.core.rollout import Scores, Trajectory, _decode
 from stepflow.errors import NonFiniteRewardsError
 from stepflow.math.advantage import AdvantageOut
 from stepflow.math.solvers import x0_from_v
+from stepflow.policies.base import encode_rows
 from stepflow.rollouts.base import Collected, Credited, RolloutStrategy, TrainBatch, stop_point
 
 __all__ = ["TreeRollout", "grow_trees", "leaf_layout", "leaf_image_latents"]
@@ -174,7 +175,7 @@ def grow_trees(policy, sampler, plan: IterationPlan, rows: Tensor, counts: list[
         raise ValueError(f"grid: expected shape ({t_steps + 1},), got {tuple(times.shape)}")
     trees = leaf_layout(plan, rows, leaves)
     shape = tuple(policy.latent_shape)
-    cond = policy.encode([plan.prompts[first] for first, _, _ in trees])
+    cond = encode_rows(policy, [plan.prompts[first] for first, _, _ in trees], [plan.meta[first] for first, _, _ in trees])
     need = sorted({g for _, grp, _ in trees for g in grp})  # the noise of every node's first leaf row
     at = {g: j for j, g in enumerate(need)}
     eps = seeded_normal(plan.step_noise_seeds[need], (t_steps, *shape), dev)  # (|need|, T, ...)
