@@ -13,7 +13,7 @@
 #                   (two 14 B experts) LoRA, trainer=ddp, 256 x 448 px, 17 frames (5 latent frames, 2240 tokens),
 #                   reward=frames over the stand-in image reward, one iteration each (B 4, T 4, gain); rows of
 #                   strategies.tsv named wan21_t2v/wan22_t2v. Last in the default parts: skipped when time is out  ~150 s
-#   7. img2 (not in the default parts; GPU_CHECK_PARTS="env img2"): FLUX.2-dev / Z-Image (docs/models2/image.md):
+#   7. img2 (not in the default parts; GPU_CHECK_PARTS="env img2"): FLUX.2-dev / Z-Image (docs/guide.md):
 #                   the memory table, then one CLI iteration of model=zimage_random (LoRA; full when the GPU
 #                   has >= 120 GiB) and model=flux2_random (LoRA, >= 100 GiB), results in img2.tsv         ~150 s
 #   8. edit (not in the default parts; GPU_CHECK_PARTS="env edit"): python -m stepflow.train model=flux_kontext_random / qwen_image_edit_random, LoRA, trainer=ddp,
@@ -195,7 +195,7 @@ img2_run() {
   local gib=0
   [ "$TINY" != 1 ] && gib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2>/dev/null | head -1)
   if [ "$TINY" != 1 ] && [ "${gib:-0}" -lt $((min_gib * 1024)) ]; then
-    say "== [img2_${model}_${ft}] skipped: needs >= ${min_gib} GiB of GPU memory (docs/models2/image.md), this GPU has ${gib} MiB"
+    say "== [img2_${model}_${ft}] skipped: needs >= ${min_gib} GiB of GPU memory (docs/guide.md), this GPU has ${gib} MiB"
     printf '%s\tskipped\t0\t0\n' "img2_${model}_${ft}" >>"$OUT/parts.tmp"
     return 0
   fi
@@ -290,7 +290,7 @@ for p in $PARTS; do
       strategies lora 120 wan21_t2v_random
       strategies full 120 wan21_t2v_random
       strategies lora 180 wan22_t2v_random ;;
-    img2)  # FLUX.2-dev and Z-Image (docs/models2/image.md)
+    img2)  # FLUX.2-dev and Z-Image (docs/guide.md)
       part img2_memory 90 "$PY" -m stepflow.testing.random_flux2_zimage --world 8
       img2_run zimage lora 40
       img2_run zimage full 120
@@ -325,7 +325,7 @@ EOF
   done
   if [ -f "$OUT/img2.tsv" ]; then
     echo
-    echo "-- FLUX.2-dev / Z-Image, one CLI iteration each (model=<m>_random; docs/models2/image.md)"
+    echo "-- FLUX.2-dev / Z-Image, one CLI iteration each (model=<m>_random; docs/guide.md)"
     if command -v column >/dev/null; then column -t -s $'\t' "$OUT/img2.tsv"; else cat "$OUT/img2.tsv"; fi
   fi
   if [ -f "$OUT/edit.tsv" ]; then

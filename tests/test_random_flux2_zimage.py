@@ -1,7 +1,7 @@
 """The random builders of FLUX.2-dev and Z-Image (``stepflow.testing.random_flux2_zimage``): full size on the meta
 device at the published size (no memory), the ``model=flux2_random`` / ``zimage_random`` configs through the CLI's
 own build (tiny and full size), one CLI iteration at tiny size (the gpu_check.sh ``img2`` command line), and the
-memory table of docs/models2/image.md."""
+memory table of docs/guide.md, "Video, editing and the newest image models"."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """Random-weight builds of FLUX.2-dev and Z-Image(-Turbo) at their published size (or tiny), without downloads: the
-``model=flux2_random`` / ``model=zimage_random`` configs and the memory estimate of docs/models2/image.md.
+``model=flux2_random`` / ``model=zimage_random`` configs and the memory estimate of docs/guide.md, "Video, editing and the newest image models".
 
 As :mod:`stepflow.testing.random_policies` does for SD3.5 / FLUX.1 / Qwen-Image (and with its helpers): the real
 transformer and VAE architectures with random weights, built on the target device directly in their dtype, the text
