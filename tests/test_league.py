@@ -406,7 +406,7 @@ def test_make_train_runs_the_leagues_best_within_seven_minutes():
     # the same training; make train keeps its own evaluation points and logs (the league's LEAGUE_OVERRIDES and
     # budget points are league-side settings)
     for cfg in (got, want):
-        cfg["eval"].pop("at_fractions"), cfg["eval"].pop("grid_prompts"), cfg["loop"].pop("final_reward_every")
+        cfg["eval"].pop("at_fractions"), cfg["eval"].pop("grid_prompts"), cfg["eval"].pop("batch_size"), cfg["loop"].pop("final_reward_every")
     assert got == want, (name, budget)
 
 
@@ -452,7 +452,7 @@ def test_the_protocol_has_six_points_to_120k_and_league_runs_spend_nothing_on_lo
     assert [round(f * s.budget) for f in s.fractions] == [7500, 15000, 30000, 60000, 90000, 120000]
     assert s.grid_budget == s.budget and s.grid_fractions == s.fractions  # the grid sees the table's points
     ovr = league.run_overrides(league.method("default"), "0.001", s.budget, s.fractions, s)
-    assert "loop.final_reward_every=0" in ovr and "eval.grid_prompts=0" in ovr
+    assert "loop.final_reward_every=0" in ovr and "eval.grid_prompts=0" in ovr and "eval.batch_size=64" in ovr
     # a doubled budget keeps the six points and adds 1.5x and 2x the old budget
     assert [round(f * 240_000) for f in league.method_fractions(s, 240_000)] == \
         [7500, 15000, 30000, 60000, 90000, 120000, 180000, 240000]
