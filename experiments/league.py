@@ -10,16 +10,27 @@
 Protocol (docs/league/report.md says it in full):
 
 - **Budgets** in forward-equivalent NFEs (``loop.budget``: a backward counts 2, CFG doubles, over all ranks; reward
-  images are counted beside it): every run of the table goes to ``--budget`` (default 30,000) and is evaluated on
-  every held-out prompt after the iterations that reach ``--fractions`` of it (default 1/4, 1/2, 1: three budget
-  points from one run). The base model is evaluated once (``eval.at_start=false`` in every run).
-- **Learning rate**: each method's lr is chosen on the grid {lr/3, lr, 3 lr} around its config's lr, at half the
-  budget, with ``--grid-seeds`` (default 100, 101) that the table does not use; the chosen lr maximises the mean
-  held-out GenEval over those seeds and both grid evaluations (1/4 and 1/2 of the budget).
+  images are counted beside it): every run of the table goes to ``--budget`` (default 120,000) and is evaluated on
+  every held-out prompt after the first iteration past each of :data:`POINTS` (7.5k, 15k, 30k, 60k, 90k, 120k: six
+  budget points from one run; ``eval.at_fractions``); the NFEs, training seconds and reward-model images actually
+  spent at each evaluation are recorded beside it (``nfe``, ``seconds``, ``reward_images``). The base model is
+  evaluated once (``eval.at_start=false`` in every run). League runs log no final-image rewards they do not train on
+  (``loop.final_reward_every=0``: those rollouts would spend the method's budget) and draw no evaluation grids
+  (:data:`LEAGUE_OVERRIDES`).
+- **Where methods end**: a method's *peak* is the budget point of the largest mean held-out GenEval over seeds;
+  :func:`still_rising` (its peak is its last point and the last interval gained at least ``rise_tol``) doubles that
+  method's budget, with evaluations at 1.5× and 2× the old one, at most ``max_extend`` times; the decision is kept
+  in ``<ledger>/budgets.json`` (``--budget-for name=NFEs`` sets one by hand) and its runs are rerun to the new budget.
+- **Learning rate**: each method's lr is chosen on the grid {lr/3, lr, 3 lr} around its config's lr, to the full
+  budget, with ``--grid-seeds`` (default 100, 101) that the table does not use; the chosen lr maximises the *peak* of
+  the mean held-out GenEval over those seeds (the criterion the table reports); while the best lr is at an edge the
+  grid adds the next lr beyond it (×3 or ÷3), up to ``grid_extend`` times (the report names a choice left at an edge).
 - **Seeds** 0..4 (``--seeds``), the same for every method: seed s gives every method the same prompt order and the
-  same first initial noises, and every evaluation uses the same held-out prompts and noises (``eval.seed``).
+  same first initial noises, and every evaluation uses the same held-out prompts and noises (``eval.seed``); where a
+  recipe breaks this (a category-balanced prompt list, ``loop.same_latent=false``), the report names it
+  (:func:`pairing_exceptions`).
 - **Claims arms**: the paper's claims tested as one-change variants of the default (step-0) and the every-step
-  recipes, each with its parent method's chosen lr.
+  recipes, and the paper's recipe decomposed (:data:`DECOMPOSITION`), each with its parent method's chosen lr.
 
 Runs land in ``<out>/<phase>/<method>/<run>`` (``<run>`` = ``lr=<lr>,seed=<s>`` in the grid, ``seed=<s>`` elsewhere).
 Rerunning skips finished runs (the adapter is saved at the end), resumes interrupted ones from
@@ -138,6 +149,47 @@ CLAIM_ARMS: tuple[Method, ...] = (
            "distillation", "allsteps"),
 )
 
+#: the paper's recipe decomposed (experiment=league/paper against the default ``python -m stepflow.train``; the
+#: report lists every setting in which the two differ, :func:`config_differences`): each arm changes ONE of them,
+#: either the default towards the paper (parent ``default``) or the paper back to the default (parent ``paper``)
+CLAIM_ARMS += (
+    Method("default_kl04", None, ("train.beta_kl=0.04", "train.kl_mode=flow_grpo_parity"),
+           "default with the paper's KL (beta 0.04, Flow-GRPO's form)", "default"),
+    Method("default_balanced", None, ("data.balance_by=category",), "default with category-balanced prompts",
+           "default"),
+    Method("default_t5", None, ("loop.substeps=5",), "default with T' = 5", "default"),
+    Method("default_every_step", None, ("train.train_steps=null", "train.timestep_fraction=0.99", "advantage.over=all"),
+           "default trained at every noisy step (9 of 10), gains over all steps, unweighted", "default"),
+    Method("paper_no_kl", "league/paper", ("train.beta_kl=0.0", "train.kl_mode=exact"), "the paper's recipe without KL",
+           "paper"),
+    Method("paper_unbalanced", "league/paper", ("data.balance_by=null",),
+           "the paper's recipe on the train file's own prompt mix", "paper"),
+    Method("paper_t2", "league/paper", ("loop.substeps=2",), "the paper's recipe with T' = 2", "paper"),
+    Method("paper_noisy_step0", "league/paper", ("sampler.schedule=eta_s",),
+           "the paper's recipe with the default's noise schedule (step 0 stochastic)", "paper"),
+)
+
+
+@dataclass(frozen=True)
+class Change:
+    """One arm of the decomposition: ``arm`` differs from ``parent`` in ``what`` alone."""
+
+    arm: str
+    parent: str
+    what: str
+
+
+DECOMPOSITION: tuple[Change, ...] = (
+    Change("default_kl04", "default", "KL to the reference, beta 0.04 (Flow-GRPO's form)"),
+    Change("default_balanced", "default", "category-balanced prompts"),
+    Change("default_t5", "default", "T' = 5 substeps for the x̂0 estimates"),
+    Change("default_every_step", "default", "every noisy step trained (9 of 10), gains normalised over all steps"),
+    Change("paper_no_kl", "paper", "no KL"),
+    Change("paper_unbalanced", "paper", "the train file's prompt mix (not balanced)"),
+    Change("paper_t2", "paper", "T' = 2"),
+    Change("paper_noisy_step0", "paper", "the default's noise schedule (sigma = eta s: step 0 stochastic)"),
+)
+
 QUICK_METHODS = ("default", "allsteps", "flow_grpo", "nft")
 
 #: the base model's held-out evaluation (iteration 0 of a one-iteration run): at CFG 1, and at CFG 4.5 for the CFG arms
@@ -180,17 +232,33 @@ CLAIMS: tuple[Claim, ...] = (
 )
 
 
+#: the budget points of the table (forward-equivalent NFEs): one run evaluates after the first iteration past each
+POINTS: tuple[int, ...] = (7_500, 15_000, 30_000, 60_000, 90_000, 120_000)
+#: what every league run adds to its recipe (before ``-- overrides``): no final-image rollouts that only feed the
+#: train/reward_final log (they spent 11.7 % of the default's 30,000-NFE budget on logging), no evaluation grids (the
+#: report draws its samples from the saved adapter), held-out sampling in batches of 64 (the same images as the
+#: default 128: the initial noise is drawn for all prompts at once; 0.75x and 0.81x the time of 128 in two
+#: interleaved measurements on the 2-core machine)
+LEAGUE_OVERRIDES: tuple[str, ...] = ("loop.final_reward_every=0", "eval.grid_prompts=0", "eval.batch_size=64")
+
+
 @dataclass
 class Settings:
     """The league's protocol (what ``--quick`` and the flags change)."""
 
-    budget: float = 30_000.0
-    fractions: tuple[float, ...] = (0.25, 0.5, 1.0)
+    budget: float = float(POINTS[-1])
+    fractions: tuple[float, ...] = tuple(p / POINTS[-1] for p in POINTS)
     seeds: tuple[int, ...] = (0, 1, 2, 3, 4)
     grid_seeds: tuple[int, ...] = (100, 101)
     grid_factors: tuple[float, ...] = (1 / 3, 1.0, 3.0)
-    grid_budget_fraction: float = 0.5  #: the grid runs to this fraction of the budget, evaluated at the fractions below it
-    grid_extend: int = 2  #: a best lr at the grid's edge adds the next one beyond it (×3 or ÷3), at most this often
+    grid_budget_fraction: float = 1.0  #: the grid runs to this fraction of the budget, evaluated at the fractions below it
+    grid_extend: int = 6  #: a best lr at the grid's edge adds the next one beyond it (×3 or ÷3), at most this often
+    #: a still-rising method's budget doubles (:func:`still_rising`) at most this often
+    max_extend: int = 2
+    #: still rising: the mean held-out GenEval gained at least this over the last interval (and peaks at the end)
+    rise_tol: float = 0.01
+    #: per-method budgets set by hand (``--budget-for``); they take precedence over ``<ledger>/budgets.json``
+    budget_for: dict[str, float] = field(default_factory=dict)
     methods: tuple[str, ...] = tuple(m.name for m in METHODS)
     claims: bool = True
     grid: bool = True
@@ -226,7 +294,84 @@ PAPER_BUDGET = 5e6
 
 def quick_settings() -> Settings:
     return Settings(budget=8_000.0, fractions=(1.0,), seeds=(0, 1), methods=QUICK_METHODS, claims=False, grid=False,
-                    out=OUT.parent / "league_quick", check=True)
+                    out=OUT.parent / "league_quick", check=True, max_extend=0)
+
+
+# ---------------------------------------------------------------------------------------------------- where methods end
+BUDGETS_FILE = "budgets.json"  #: in the ledger: {method: budget} of the methods whose budget was extended
+
+
+def extended_budgets(s: Settings) -> dict[str, float]:
+    """``{method: budget}`` decided by :func:`decide_extensions` (``<ledger>/budgets.json``), then ``s.budget_for``."""
+    out: dict[str, float] = {}
+    f = s.ledger / BUDGETS_FILE if s.ledger is not None else None
+    if f is not None and f.is_file():
+        try:
+            raw = json.loads(f.read_text() or "{}")
+            out = {str(k): float(v) for k, v in raw.items() if float(v) > 0}
+        except (ValueError, TypeError, AttributeError) as e:
+            note(f"{f}: not a {{method: budget}} JSON object ({e}); every method at --budget")
+            out = {}
+    out.update(s.budget_for)
+    return out
+
+
+def method_budget(s: Settings, name: str) -> float:
+    """The budget of ``name``'s table / claims runs: ``s.budget`` unless extended."""
+    return float(extended_budgets(s).get(name, s.budget))
+
+
+def method_fractions(s: Settings, budget: float) -> tuple[float, ...]:
+    """The evaluation points of a run to ``budget`` as fractions of it: ``s.fractions`` of ``s.budget``, then for each
+    doubling (``s.budget`` → 2×) the points 1.5× and 2× the budget before it."""
+    pts = [f * s.budget for f in s.fractions]
+    b = s.budget
+    while budget > b * (1 + 1e-9):
+        pts += [1.5 * b, 2 * b]
+        b *= 2
+    return tuple(sorted({round(p / budget, 9) for p in pts if p <= budget * (1 + 1e-9)}))
+
+
+def still_rising(curve: Sequence[tuple[float, float]], tol: float) -> bool:
+    """``curve``: ``[(budget point, mean held-out GenEval over seeds)]``. Still rising: the largest mean is at the last
+    point and the last interval gained at least ``tol``, i.e. the method has neither peaked nor flattened."""
+    pts = sorted(curve)
+    if len(pts) < 2:
+        return False
+    vals = [v for _, v in pts]
+    return vals[-1] >= max(vals) and vals[-1] - vals[-2] >= tol
+
+
+def decide_extensions(s: Settings, names: Sequence[str]) -> dict[str, float]:
+    """Apply :func:`still_rising` to each of ``names`` whose table / claims runs are all finished at its budget (every
+    seed of ``s.seeds``): a still-rising one gets twice its budget (at most ``s.max_extend`` doublings), written to
+    ``<ledger>/budgets.json``. Returns the new budgets (empty: nothing to extend)."""
+    import league_report
+
+    if s.ledger is None or s.max_extend <= 0:
+        return {}
+    rows = collect(s)
+    done = extended_budgets(s)
+    new: dict[str, float] = {}
+    for name in names:
+        if name in s.budget_for:
+            continue
+        b = method_budget(s, name)
+        if b >= s.budget * 2 ** s.max_extend * (1 - 1e-9):
+            continue
+        mine = [r for r in rows if r["method"] == name and abs(r.get("run_budget", 0) - b) < 1e-6 * b
+                and r["phase"] in ("table", "claims")]
+        if {r["seed"] for r in mine if abs(r["fraction"] - 1.0) < 1e-9} < set(s.seeds):
+            continue
+        curve = league_report.mean_curve(league_report.by_method(mine)[name])
+        if still_rising(curve, s.rise_tol):
+            new[name] = 2 * b
+    if new:
+        f = s.ledger / BUDGETS_FILE
+        f.parent.mkdir(parents=True, exist_ok=True)
+        f.write_text(json.dumps({**{k: v for k, v in done.items() if k not in s.budget_for}, **new}, indent=1,
+                                sort_keys=True) + "\n")
+    return new
 
 
 def method(name: str) -> Method:
@@ -246,8 +391,9 @@ def grid_lrs(lr: float, factors: Sequence[float]) -> list[str]:
 
 
 def grid_list(s: Settings, m: Method, lr0: float) -> list[str]:
-    """The method's grid: ``lr0 × grid_factors``, and while its finished runs put the best lr at an edge, the next lr
-    beyond that edge (a factor 3), at most ``grid_extend`` times: no method is held at the edge of a grid."""
+    """The method's grid: ``lr0 × grid_factors``, and while its finished runs put the best lr (:func:`grid_scores`) at
+    an edge, the next lr beyond that edge (a factor 3), at most ``grid_extend`` times: no method is held at the edge
+    of a grid unless the cap is reached (:func:`chosen_lrs` says so)."""
     lrs = sorted(lr0 * f for f in s.grid_factors)
     for _ in range(s.grid_extend):
         scores = grid_scores(s, m, [lr_str(x) for x in lrs])
@@ -288,7 +434,7 @@ class Run:
 def run_overrides(m: Method, lr: str, budget: float, fractions: Sequence[float], s: Settings) -> list[str]:
     fr = ",".join(f"{f:g}" for f in fractions)
     return [*m.base_overrides(), f"train.lr={lr}", f"loop.budget={int(round(budget))}", f"loop.iterations={s.cap}",
-            "eval.every=0", "eval.at_start=false", f"eval.at_fractions=[{fr}]", *s.extra]
+            "eval.every=0", "eval.at_start=false", f"eval.at_fractions=[{fr}]", *LEAGUE_OVERRIDES, *s.extra]
 
 
 def configured_lr(m: Method, compose) -> float:
@@ -308,29 +454,42 @@ def chosen_lrs(s: Settings, compose) -> dict[str, tuple[str, str]]:
         scores = grid_scores(s, m, grid_list(s, m, lr0))
         if scores and all(v is not None for v in scores.values()):
             best = max(scores, key=lambda k: scores[k])
-            out[name] = (best, "grid: " + ", ".join(f"{k} {v:.3f}" for k, v in scores.items()))
+            keys = list(scores)
+            edge = " (at the grid's edge after its extensions)" if best in (keys[0], keys[-1]) else ""
+            out[name] = (best, "grid: " + ", ".join(f"{k} {v:.3f}" for k, v in scores.items()) + edge)
         else:
             out[name] = (lr_str(lr0), "the config's lr (grid unfinished)")
     return out
 
 
 def grid_scores(s: Settings, m: Method, lrs: Sequence[str]) -> dict[str, float | None]:
-    """Mean held-out GenEval of each grid lr over the grid seeds and evaluations; None where a run is unfinished."""
+    """Each grid lr's *peak*: the largest mean held-out GenEval over the grid seeds at one of the grid's budget points
+    (:func:`league_report.mean_curve`, the criterion the table reports); None where a run is unfinished."""
+    import league_report
+
     scores: dict[str, float | None] = {}
     for lr in lrs:
-        vals = []
+        rows: list[dict[str, Any]] | None = []
         for seed in s.grid_seeds:
             d = s.out / "grid" / m.name / run_name("grid", lr, seed)
             if finished(d):
-                vals += [r["geneval"] for r in eval_rows(d, s.grid_budget, s.grid_fractions)]
+                rows += [{**r, "seed": seed} for r in eval_rows(d, s.grid_budget, s.grid_fractions)]
                 continue
-            rows = [] if d.exists() else ledger_run_rows(s, "grid", m.name, seed, lr, s.grid_fractions)
-            if not rows:
-                vals = None
+            got = [] if d.exists() else ledger_run_rows(s, "grid", m.name, seed, lr, s.grid_fractions, s.grid_budget)
+            if not got:
+                rows = None
                 break
-            vals += [r["geneval"] for r in rows]
-        scores[lr] = (sum(vals) / len(vals)) if vals else None
+            rows += got
+        curve = league_report.mean_curve(_per_budget(rows)) if rows else []
+        scores[lr] = max(v for _, v in curve) if curve else None
     return scores
+
+
+def _per_budget(rows: Sequence[dict[str, Any]]) -> dict[int, dict[int, float]]:
+    out: dict[int, dict[int, float]] = {}
+    for r in rows:
+        out.setdefault(int(r["budget"]), {})[int(r["seed"])] = float(r["geneval"])
+    return out
 
 
 def plan(s: Settings, phases: Sequence[str], check_config: bool = True) -> list[Run]:
@@ -342,7 +501,7 @@ def plan(s: Settings, phases: Sequence[str], check_config: bool = True) -> list[
         ms = [method(n) for n in s.methods]
         if "base" in phases:
             for m in BASES if s.claims else BASES[:1]:
-                ovr = [*m.base_overrides(), "loop.iterations=1", "eval.every=0", *s.extra]
+                ovr = [*m.base_overrides(), "loop.iterations=1", "eval.every=0", *LEAGUE_OVERRIDES, *s.extra]
                 runs += _runs("base", m, "", (0,), ovr, s, compose, check_config)
         if "grid" in phases and s.grid:
             for m in ms:
@@ -352,15 +511,15 @@ def plan(s: Settings, phases: Sequence[str], check_config: bool = True) -> list[
         chosen = chosen_lrs(s, compose) if ({"table", "claims"} & set(phases)) else {}
         if "table" in phases:
             for m in ms:
-                lr = chosen[m.name][0]
-                ovr = run_overrides(m, lr, s.budget, s.fractions, s)
+                lr, b = chosen[m.name][0], method_budget(s, m.name)
+                ovr = run_overrides(m, lr, b, method_fractions(s, b), s)
                 runs += _runs("table", m, lr, s.seeds, ovr, s, compose, check_config)
         if "claims" in phases and s.claims:
             for m in CLAIM_ARMS:
                 if m.parent not in chosen:
                     continue
-                lr = chosen[m.parent][0]
-                ovr = run_overrides(m, lr, s.budget, s.fractions, s)
+                lr, b = chosen[m.parent][0], method_budget(s, m.name)
+                ovr = run_overrides(m, lr, b, method_fractions(s, b), s)
                 runs += _runs("claims", m, lr, s.seeds, ovr, s, compose, check_config)
     return runs
 
@@ -381,7 +540,7 @@ def _runs(phase, m, lr, seeds, ovr, s: Settings, compose, check_config) -> list[
         if status == "finished" and budget and not any(r["fraction"] == 1.0 for r in eval_rows(d, budget, [1.0])):
             status, reason = "stale", "its adapter exists but it stopped before its budget (a signal, before the fix)"
         if status == "missing" and not d.exists() and budget and not keeps_adapter(phase, d.name) and \
-                ledger_run_rows(s, phase, m.name, seed, lr, planned_fractions(ovr)):
+                ledger_run_rows(s, phase, m.name, seed, lr, planned_fractions(ovr), budget):
             # (a run whose adapter the ledger keeps is run again: the image grids need it)
             status, reason = "finished", "in the ledger's csv (measured before runs were archived)"
         out.append(Run(phase, m, lr, seed, d, list(ovr), status, reason, cost=expected_seconds(m, ovr)))
@@ -390,13 +549,76 @@ def _runs(phase, m, lr, seeds, ovr, s: Settings, compose, check_config) -> list[
 
 #: seconds per forward-equivalent NFE measured with two runs at once on the 2-core machine (docs/results.md's league
 #: tables; the default 3.8 ms): only the order of the runs (longest first) depends on them
+MS_PER_NFE_DEFAULT = 3.8
 MS_PER_NFE = {"grpo_guard": 18.0, "mixgrpo_flash": 17.0, "tempflow": 11.0, "dancegrpo": 10.0, "mixgrpo": 8.5,
               "tpgrpo": 7.5, "g2rpo": 7.0, "nft": 5.2, "awm": 5.0, "advantageflow": 5.0}
 
 
+#: a league run's time outside training, in forward-equivalent NFEs of the default's training (ratios measured in one
+#: run of the default, `python -m stepflow.train loop.iterations=4 loop.budget=null eval.every=0 eval.at_start=false
+#: loop.final_reward_every=0`: 27 s of training for 1,762 NFEs, 49 s of start-up and end, 51 s for the final held-out
+#: evaluation at batch 128 of which 2.5 s drew its grid; at batch 64 without the grid about 0.78 x 48.5 s): the
+#: start-up and one evaluation (285 prompts, 10 ODE steps, the judge)
+START_NFE, EVAL_NFE = 3100.0, 2400.0
+
+
 def expected_seconds(m: Method, ovr: Sequence[str]) -> float:
     budget = next((float(o.split("=", 1)[1]) for o in ovr if o.startswith("loop.budget=")), 0.0)
-    return budget * MS_PER_NFE.get(m.name, 4.5) / 1000.0 + 40.0
+    outside = START_NFE + EVAL_NFE * max(1, len(planned_fractions(ovr)))
+    return (budget * MS_PER_NFE.get(m.name, 4.5) + outside * MS_PER_NFE_DEFAULT) / 1000.0
+
+
+def _flat(d: Any, prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(_flat(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+#: settings that name a run, not what it trains
+_NOT_TRAINING = ("experiment_name", "eval.every", "eval.grid_prompts", "eval.guidance", "loop.guidance")
+
+
+def config_differences(compose, a: Method, b: Method) -> list[tuple[str, Any, Any]]:
+    """``[(setting, a's value, b's value)]``: every resolved training setting in which method ``b``'s recipe differs
+    from ``a``'s (settings that only one has are shown as ``—``; naming and logging settings left out)."""
+    from omegaconf import OmegaConf
+
+    fa = _flat(OmegaConf.to_container(compose("train", a.base_overrides()), resolve=True))
+    fb = _flat(OmegaConf.to_container(compose("train", b.base_overrides()), resolve=True))
+    out = []
+    for k in sorted(set(fa) | set(fb)):
+        if k in _NOT_TRAINING or k.startswith("hydra"):
+            continue
+        va, vb = fa.get(k, "—"), fb.get(k, "—")
+        if va != vb:
+            out.append((k, va, vb))
+    return out
+
+
+def pairing_exceptions(compose, names: Sequence[str]) -> dict[str, list[str]]:
+    """Where seed s does not give a method the same prompts and first initial noises as the default: ``{method:
+    [reasons]}`` for a category-balanced prompt list (``data.balance_by``: another prompt order), other prompts
+    per iteration or group size (the same order, cut differently), and ``loop.same_latent=false`` (each sample its
+    own initial noise: the first noise of a group differs)."""
+    ref = compose("train", [])
+    out: dict[str, list[str]] = {}
+    for name in names:
+        cfg = compose("train", method(name).base_overrides())
+        why = []
+        if cfg.data.get("balance_by"):
+            why.append(f"prompts drawn from a list balanced by {cfg.data.balance_by} (another prompt order)")
+        if (cfg.loop.prompts_per_iter, cfg.loop.group_size) != (ref.loop.prompts_per_iter, ref.loop.group_size):
+            why.append(f"{cfg.loop.prompts_per_iter} prompts x {cfg.loop.group_size} samples per iteration (the "
+                       "same prompt order, cut into other iterations)")
+        if not cfg.loop.same_latent:
+            why.append("loop.same_latent=false (each sample its own initial noise)")
+        if why:
+            out[name] = why
+    return out
 
 
 def planned_fractions(ovr: Sequence[str]) -> list[float]:
@@ -673,7 +895,11 @@ def ledger_rows(s: Settings, phase: str) -> list[dict[str, Any]]:
                                        "fraction": float(r["fraction"]), "iteration": int(r["iteration"]),
                                        "nfe": int(r["nfe"]), "seconds": float(r["seconds"]),
                                        "reward_images": int(r["reward_images"]), "geneval": float(r["geneval"])}
-                row.update({c: float(r[c]) if r.get(c) not in (None, "") else math.nan for c in CATEGORIES})
+                # rows written before run_budget existed: the run's budget is the point over its fraction
+                row["run_budget"] = int(float(r["run_budget"])) if r.get("run_budget") not in (None, "") else \
+                    int(round(row["budget"] / row["fraction"]))
+                row.update({c: float(r[c]) if r.get(c) not in (None, "") else math.nan
+                            for c in (*CATEGORIES, *SCENE_COLUMNS)})
             except (KeyError, TypeError, ValueError):
                 continue
             rows.append(row)
@@ -681,50 +907,61 @@ def ledger_rows(s: Settings, phase: str) -> list[dict[str, Any]]:
     return [r for r in _LEDGER_CACHE[f][1] if r["phase"] == phase]
 
 
-def ledger_run_rows(s: Settings, phase: str, method_name: str, seed: int, lr: str,
-                    fractions: Sequence[float]) -> list[dict[str, Any]]:
-    """The ledger's rows of one run at ``fractions``, or [] unless it has every one of them."""
+def ledger_run_rows(s: Settings, phase: str, method_name: str, seed: int, lr: str, fractions: Sequence[float],
+                    budget: float | None = None) -> list[dict[str, Any]]:
+    """The ledger's rows of one run at ``fractions`` (of a run to ``budget``, when given), or [] unless it has every
+    one of them."""
     rows = [r for r in ledger_rows(s, phase) if r["method"] == method_name and r["seed"] == seed
-            and r["lr"] == lr_str(float(lr)) and any(abs(r["fraction"] - f) < 1e-9 for f in fractions)]
+            and r["lr"] == lr_str(float(lr)) and any(abs(r["fraction"] - f) < 1e-9 for f in fractions)
+            and (budget is None or abs(r["run_budget"] - budget) <= 0.5)]
     got = {round(r["fraction"], 9) for r in rows}
     return rows if fractions and got >= {round(f, 9) for f in fractions} else []
 
 
 # ---------------------------------------------------------------------------------------------------- results
+#: beside GenEval, every evaluation's exact-scene score and mean number of objects not asked for (overall and per
+#: category: ``exact_scene_<category>``, ``extra_objects_<category>``; stepflow.core.heldout.SCENE_COMPONENTS)
+SCENE = ("exact_scene", "extra_objects")
+SCENE_COLUMNS = [*SCENE, *(f"{k}_{c}" for k in SCENE for c in CATEGORIES)]
+
+
 def eval_rows(run_dir: Path, budget: float, fractions: Sequence[float]) -> list[dict[str, Any]]:
-    """The run's evaluations as budget points: ``[{budget, fraction, iteration, nfe, seconds, reward_images,
-    geneval, <category>...}]``. An evaluation belongs to the smallest fraction of ``budget`` its spent NFEs reach
-    that no earlier evaluation took (the run evaluates after the iteration that reaches each fraction)."""
+    """The run's evaluations as budget points: ``[{budget, fraction, run_budget, iteration, nfe, seconds,
+    reward_images, geneval, <category>..., exact_scene, extra_objects, ...}]``. Budget point f·``budget`` takes the
+    first evaluation whose spent NFEs reach it (the run evaluates after the first iteration past each point; one
+    iteration that passes two points serves both); ``nfe``, ``seconds`` and ``reward_images`` are what the run had
+    actually spent there."""
     rows = report.read_metrics(run_dir / "metrics.csv")
     spent: dict[int, dict[str, float]] = {}
     for r in rows:
         if "cost/nfe_fwd_equiv_total" in r:
             spent[int(r["iteration"])] = r
-    out, left = [], sorted(fractions)
+    evals = []
     for r in rows:
-        if "eval/geneval" not in r or not left:
+        tr = spent.get(int(r["iteration"])) if "eval/geneval" in r else None
+        if tr is not None:
+            evals.append((tr["cost/nfe_fwd_equiv_total"], r, tr))
+    evals.sort(key=lambda e: e[0])
+    out = []
+    for f in sorted(fractions):
+        hit = next((e for e in evals if e[0] >= f * budget * (1 - 1e-9)), None)
+        if hit is None:
             continue
-        it = int(r["iteration"])
-        tr = spent.get(it)
-        if tr is None:
-            continue
-        nfe = tr["cost/nfe_fwd_equiv_total"]
-        hit = [f for f in left if nfe >= f * budget * (1 - 1e-9)]
-        if not hit:
-            continue
-        f = hit[0]
-        left.remove(f)
-        row = {"budget": int(round(f * budget)), "fraction": f, "iteration": it, "nfe": int(nfe),
+        nfe, r, tr = hit
+        row = {"budget": int(round(f * budget)), "fraction": f, "run_budget": int(round(budget)),
+               "iteration": int(r["iteration"]), "nfe": int(nfe),
                "seconds": round(tr.get("cost/train_seconds_total", math.nan), 1),
                "reward_images": int(tr.get("cost/reward_images_total", 0)), "geneval": r["eval/geneval"]}
         for c in CATEGORIES:
             row[c] = r.get(f"eval/geneval_{c}", math.nan)
+        for k in SCENE_COLUMNS:
+            row[k] = r.get(f"eval/{k}", math.nan)
         out.append(row)
     return out
 
 
-RESULT_COLUMNS = ["phase", "method", "seed", "lr", "budget", "fraction", "iteration", "nfe", "seconds",
-                  "reward_images", "geneval", *CATEGORIES]
+RESULT_COLUMNS = ["phase", "method", "seed", "lr", "budget", "fraction", "run_budget", "iteration", "nfe", "seconds",
+                  "reward_images", "geneval", *CATEGORIES, *SCENE_COLUMNS]
 
 
 def base_scores(s: Settings) -> dict[str, dict[str, float]]:
@@ -736,7 +973,8 @@ def base_scores(s: Settings) -> dict[str, dict[str, float]]:
             continue
         r0 = next((r for r in report.read_metrics(f) if int(r["iteration"]) == 0 and "eval/geneval" in r), None)
         if r0 is not None:
-            out[m.name] = {"geneval": r0["eval/geneval"], **{c: r0.get(f"eval/geneval_{c}", math.nan) for c in CATEGORIES}}
+            out[m.name] = {"geneval": r0["eval/geneval"], **{c: r0.get(f"eval/geneval_{c}", math.nan) for c in CATEGORIES},
+                           **{k: r0.get(f"eval/{k}", math.nan) for k in SCENE_COLUMNS}}
     return out
 
 
@@ -873,6 +1111,17 @@ def check_args(ap: argparse.ArgumentParser, a: argparse.Namespace, s: Settings) 
             ap.error(f"--budget: must be a finite number of forward-equivalent NFEs >= {1 / s.grid_budget_fraction:g} "
                      f"(the grid runs to {s.grid_budget_fraction:g} of it), got {a.budget}")
         s.budget = a.budget
+    for item in (x.strip() for x in (a.budget_for or "").split(",") if x.strip()):
+        name, eq, val = item.partition("=")
+        known = {m.name for m in (*METHODS, *CLAIM_ARMS)}
+        try:
+            b = float(val)
+        except ValueError:
+            b = math.nan
+        if not eq or name.strip() not in known or not (math.isfinite(b) and b >= s.budget):
+            ap.error(f"--budget-for: {item!r} must be <method>=<NFEs> with a league method or claims arm and a budget "
+                     f">= --budget ({s.budget:g}), e.g. flow_grpo=240000")
+        s.budget_for[name.strip()] = b
     if a.jobs < 1:
         ap.error(f"--jobs: must be an integer >= 1 (runs at once), got {a.jobs}")
     s.claims = s.claims and not a.no_claims
@@ -894,7 +1143,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--phase", default="all", choices=["base", "grid", "table", "claims", "all"])
     ap.add_argument("--methods", default=None, help="comma-separated method names (default: every league method)")
     ap.add_argument("--seeds", default=None, help="comma-separated table seeds (default 0..4)")
-    ap.add_argument("--budget", type=float, default=None, help="forward-equivalent NFEs per run (default 30000)")
+    ap.add_argument("--budget", type=float, default=None, help="forward-equivalent NFEs per run (default 120000)")
+    ap.add_argument("--budget-for", default=None,
+                    help="per-method budgets, e.g. flow_grpo=240000,awm=180000 (else still-rising methods double, "
+                         "see the report's rule)")
     ap.add_argument("--no-claims", action="store_true", help="skip the claims arms")
     ap.add_argument("--no-grid", action="store_true", help="skip the lr grid (every method at its config's lr)")
     ap.add_argument("--out", default=None, help="run directory root (default outputs/league)")
@@ -954,6 +1206,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             if any(c != 0 for c in codes):
                 print(f"[league] {ph}: {sum(c != 0 for c in codes)} of {len(codes)} runs failed or were stopped")
                 return 1
+            if ph in ("table", "claims"):  # where methods end: a still-rising one runs on to twice its budget
+                names = s.methods if ph == "table" else [m.name for m in CLAIM_ARMS if m.parent in s.methods]
+                new = decide_extensions(s, names)
+                if new:
+                    print("[league] still rising at the end of their budget (rule: peak at the last point, last "
+                          f"interval >= {s.rise_tol:g}): " + ", ".join(f"{k} -> {v:,.0f} NFEs" for k, v in new.items())
+                          + f" (kept in {s.ledger / BUDGETS_FILE})")
+                    tried = {t for t in tried if not any(f"{os.sep}{ph}{os.sep}{k}{os.sep}" in t for k in new)}
+                    queue.insert(0, ph)
         if a.dry_run:
             return 0
     import league_report  # experiments/league_report.py

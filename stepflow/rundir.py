@@ -261,7 +261,8 @@ def resume_command(last: Path) -> str:
 def summary_line(history: list[dict], run_dir: Path) -> str:
     """One line for the end of a run: iterations, held-out metrics first -> last, NFEs and where the outputs are."""
     evals = [h for h in history if any(k.startswith("eval/") for k in h)]
-    keys = sorted({k for h in evals for k in h if k.startswith("eval/") and not k.startswith("eval/geneval_")})
+    per_category = ("eval/geneval_", "eval/exact_scene_", "eval/extra_objects_")  # the overall values only
+    keys = sorted({k for h in evals for k in h if k.startswith("eval/") and not k.startswith(per_category)})
     parts = []
     for k in keys:
         at = [(int(h["iteration"]), h[k]) for h in evals if k in h]

@@ -4,6 +4,7 @@ a run, the lr choice, the plan's skip / stale logic, and one real league run end
 from __future__ import annotations
 
 import csv
+import json
 import math
 import sys
 from pathlib import Path
@@ -122,18 +123,33 @@ def test_each_evaluation_is_labelled_with_the_fraction_its_iteration_reached(tmp
     assert rows[0]["seconds"] == 6.0 and rows[0]["counting"] == 0.40
 
 
-def test_the_lr_is_the_grid_argmax_over_its_seeds_and_evaluations(tmp_path):
-    s = league.Settings(budget=1000, methods=("default",), out=tmp_path, grid_seeds=(100, 101))
+def test_the_lr_is_the_grids_best_peak_of_the_mean_over_its_seeds(tmp_path):
+    """The grid scores an lr by its peak: the largest mean over the grid seeds at one budget point (the criterion the
+    table reports), not the mean over the evaluations (which favours early speed)."""
+    s = league.Settings(budget=1000, fractions=(0.5, 1.0), methods=("default",), out=tmp_path, grid_seeds=(100, 101))
     from stepflow.config import composer
 
-    scores = {"0.00033": (0.40, 0.41), "0.001": (0.44, 0.46), "0.003": (0.47, 0.35)}  # means .405 .45 .41
+    scores = {"0.00033": (0.40, 0.41), "0.001": (0.44, 0.46), "0.003": (0.47, 0.35)}  # point means .405 .45 .41
     for lrv, (g100, g101) in scores.items():
         for seed, g in ((100, g100), (101, g101)):
             fake_run(tmp_path / "grid" / "default" / f"lr={lrv},seed={seed}", float(lrv),
-                     [(3, 260, g - 0.01), (6, 510, g + 0.01)], 500, [0.5, 1.0], seed)
-    with composer() as compose:
+                     [(3, 510, g - 0.01), (6, 1010, g + 0.01)], 1000, [0.5, 1.0], seed)
+    with composer() as compose:  # peaks: .405 + .01, .45 + .01, .41 + .01
         chosen = league.chosen_lrs(s, compose)
-    assert chosen["default"][0] == "0.001" and "grid: 0.00033 0.405, 0.001 0.450, 0.003 0.410" in chosen["default"][1]
+    assert chosen["default"][0] == "0.001" and "grid: 0.00033 0.415, 0.001 0.460, 0.003 0.420" in chosen["default"][1]
+    # an lr that is fast early and then flat loses to one that ends higher: the mean of the two points would choose
+    # 0.003 (0.47 vs 0.46), the peak chooses 0.001 (0.52 vs 0.47)
+    import shutil
+
+    for seed in (100, 101):
+        for lrv, (g1, g2) in (("0.001", (0.40, 0.52)), ("0.003", (0.47, 0.47))):
+            d = tmp_path / "grid" / "default" / f"lr={lrv},seed={seed}"
+            shutil.rmtree(d)
+            fake_run(d, float(lrv), [(3, 510, g1), (6, 1010, g2)], 1000, [0.5, 1.0], seed)
+    assert league.grid_scores(s, league.method("default"), ["0.001", "0.003"]) == \
+        {"0.001": pytest.approx(0.52), "0.003": pytest.approx(0.47)}
+    with composer() as compose:
+        assert league.chosen_lrs(s, compose)["default"][0] == "0.001"
     assert league.grid_list(s, league.method("default"), 1e-3) == ["0.00033", "0.001", "0.003"]  # best inside
     # an unfinished grid run: the config's lr, said so
     (tmp_path / "grid" / "default" / "lr=0.003,seed=101" / "lora" / "pytorch_lora_weights.safetensors").unlink()
@@ -143,7 +159,7 @@ def test_the_lr_is_the_grid_argmax_over_its_seeds_and_evaluations(tmp_path):
 
 
 def test_a_best_lr_at_the_grids_edge_extends_the_grid(tmp_path):
-    s = league.Settings(budget=1000, methods=("default",), out=tmp_path, grid_seeds=(100,))
+    s = league.Settings(budget=500, fractions=(0.5, 1.0), methods=("default",), out=tmp_path, grid_seeds=(100,))
     from stepflow.config import composer
 
     def put(lrv, g):
@@ -173,7 +189,8 @@ def test_plan_skips_finished_runs_and_finds_stale_ones(tmp_path):
         [("table", "default", "seed=0", "missing"), ("table", "default", "seed=1", "missing")]
     cmd = runs[0].command("python")
     assert "loop.budget=1000" in cmd and "eval.at_start=false" in cmd and "train.lr=0.001" in cmd and "seed=0" in cmd
-    assert "eval.at_fractions=[0.25,0.5,1]" in cmd
+    assert "eval.at_fractions=[0.0625,0.125,0.25,0.5,0.75,1]" in cmd  # 7.5k .. 120k of 120k, scaled
+    assert "loop.final_reward_every=0" in cmd and "eval.grid_prompts=0" in cmd  # no logging rollouts, no grids
     # a finished run with the planned config is skipped; one with another lr is stale
     from omegaconf import OmegaConf
 
@@ -325,7 +342,7 @@ def test_finished_runs_go_to_the_ledger_and_a_fresh_clone_gets_them_back(tmp_pat
 
 
 def test_the_ledgers_csv_rows_count_as_finished_runs_until_a_run_on_disk_replaces_them(tmp_path):
-    s = league.Settings(budget=1000, seeds=(0, 1), methods=("default",), grid=False, claims=False,
+    s = league.Settings(budget=1000, fractions=(0.25, 0.5, 1.0), seeds=(0, 1), methods=("default",), grid=False, claims=False,
                         out=tmp_path / "out", ledger=tmp_path / "docs")
     rows = [{"phase": "table", "method": "default", "seed": sd, "lr": lrv, "budget": int(f * 1000), "fraction": f,
              "iteration": i, "nfe": int(f * 1000) + 10, "seconds": 2.0 * i, "reward_images": 64 * i, "geneval": g,
@@ -346,9 +363,9 @@ def test_the_ledgers_csv_rows_count_as_finished_runs_until_a_run_on_disk_replace
     got = [r for r in league.collect(s) if r["seed"] == 0]
     assert len(got) == 3 and max(r["geneval"] for r in got) == 0.45
     # the grid's csv rows choose the lr as its runs would
-    grid = [{**r, "phase": "grid", "seed": 100, "lr": lrv, "budget": int(f * 500), "fraction": f, "geneval": g}
+    grid = [{**r, "phase": "grid", "seed": 100, "lr": lrv, "budget": int(f * 1000), "fraction": f, "geneval": g}
             for lrv, base in (("0.00033", 0.40), ("0.001", 0.45), ("0.003", 0.41)) for r in rows[:1]
-            for f, g in ((0.5, base), (1.0, base))]
+            for f, g in ((0.25, base), (0.5, base), (1.0, base))]
     league.write_csv(grid, s.ledger / "lr_grid.csv")
     s.grid, s.grid_seeds = True, (100,)
     assert league.grid_scores(s, league.method("default"), ["0.00033", "0.001", "0.003"]) == \
@@ -386,6 +403,10 @@ def test_make_train_runs_the_leagues_best_within_seven_minutes():
         want = OmegaConf.to_container(compose("train", ovr), resolve=True)
     assert got.pop("experiment_name") == "league_best"
     want.pop("experiment_name")
+    # the same training; make train keeps its own evaluation points and logs (the league's LEAGUE_OVERRIDES and
+    # budget points are league-side settings)
+    for cfg in (got, want):
+        cfg["eval"].pop("at_fractions"), cfg["eval"].pop("grid_prompts"), cfg["eval"].pop("batch_size"), cfg["loop"].pop("final_reward_every")
     assert got == want, (name, budget)
 
 
@@ -394,13 +415,15 @@ def test_the_readmes_first_table_is_the_leagues():
     changed in either alone fails this)."""
     rows = list(csv.DictReader((ROOT / "docs/league/results.csv").open()))
     names = [m.name for m in league.METHODS]
-    table = lr.readme_table(rows, {m.name: m.title for m in league.METHODS}, names)
+    s = league.Settings(ledger=ROOT / "docs" / "league")
+    table = lr.readme_table(rows, {m.name: m.title for m in league.METHODS}, names, lambda m: league.method_budget(s, m))
     text = (ROOT / "README.md").read_text()
     assert text.index(lr.README_BEGIN) < text.index("|")  # the first table of the README
     block = text.split(lr.README_BEGIN, 1)[1].split(lr.README_END, 1)[0]
     assert block.strip() == table
     ran = {r["method"] for r in rows if r["phase"] == "table"}
     assert table.split("\n\n")[0].count("\n") == len([n for n in names if n in ran]) + 1  # a row per method run
+    assert "peak GenEval" in table and "end GenEval" in table  # the README's first table is "peak and end"
     assert all(f"(`{n}`)" in table for n in names)  # and the others named as not run yet
 
 
@@ -411,3 +434,153 @@ def test_update_readme_rewrites_only_between_its_markers(tmp_path):
     q = tmp_path / "other.md"
     q.write_text("no markers\n")
     assert not lr.update_readme(q, "| new |") and q.read_text() == "no markers\n"
+
+
+# ------------------------------------------------------------------------------------------------ where methods end
+def test_an_iteration_past_two_points_is_the_evaluation_of_both(tmp_path):
+    """Each budget point takes the first evaluation at or past it, with the NFEs that evaluation had spent: one
+    iteration that passes two points (a method with large iterations) serves both, never a later evaluation."""
+    fake_run(tmp_path / "r", 1e-3, [(2, 300, 0.40), (3, 780, 0.42), (5, 1010, 0.45)], 1000, [0.25, 0.5, 0.75, 1.0])
+    rows = league.eval_rows(tmp_path / "r", 1000, [0.25, 0.5, 0.75, 1.0])
+    assert [(r["budget"], r["iteration"], r["nfe"], r["geneval"], r["run_budget"]) for r in rows] == \
+        [(250, 2, 300, 0.40, 1000), (500, 3, 780, 0.42, 1000), (750, 3, 780, 0.42, 1000), (1000, 5, 1010, 0.45, 1000)]
+    assert math.isnan(rows[0]["exact_scene"])  # an evaluation without the scene counts: NaN, not 0
+
+
+def test_the_protocol_has_six_points_to_120k_and_league_runs_spend_nothing_on_logging():
+    s = league.Settings()
+    assert [round(f * s.budget) for f in s.fractions] == [7500, 15000, 30000, 60000, 90000, 120000]
+    assert s.grid_budget == s.budget and s.grid_fractions == s.fractions  # the grid sees the table's points
+    ovr = league.run_overrides(league.method("default"), "0.001", s.budget, s.fractions, s)
+    assert "loop.final_reward_every=0" in ovr and "eval.grid_prompts=0" in ovr and "eval.batch_size=64" in ovr
+    # a doubled budget keeps the six points and adds 1.5x and 2x the old budget
+    assert [round(f * 240_000) for f in league.method_fractions(s, 240_000)] == \
+        [7500, 15000, 30000, 60000, 90000, 120000, 180000, 240000]
+    assert [round(f * 480_000) for f in league.method_fractions(s, 480_000)][-4:] == [180000, 240000, 360000, 480000]
+
+
+@pytest.mark.parametrize("curve,rising", [
+    ([(1, 0.40), (2, 0.45), (3, 0.50)], True),    # peak at the end, +0.05 in the last interval
+    ([(1, 0.40), (2, 0.45), (3, 0.455)], False),  # peak at the end but flat: +0.005 < 0.01
+    ([(1, 0.40), (2, 0.50), (3, 0.48)], False),   # peaked and fell
+    ([(1, 0.40), (3, 0.52), (2, 0.50)], True),    # order of the points does not matter
+    ([(1, 0.40)], False),
+])
+def test_still_rising_is_a_peak_at_the_end_that_still_gains(curve, rising):
+    assert league.still_rising(curve, 0.01) is rising
+
+
+def test_a_still_rising_method_gets_twice_its_budget_kept_in_the_ledger(tmp_path):
+    s = league.Settings(budget=1000, fractions=(0.5, 1.0), seeds=(0, 1), methods=("default",), grid=False,
+                        claims=False, out=tmp_path / "out", ledger=tmp_path / "docs", max_extend=1)
+    for seed, (g1, g2) in ((0, (0.40, 0.46)), (1, (0.42, 0.47))):
+        fake_run(s.out / "table" / "default" / f"seed={seed}", 1e-3, [(3, 510, g1), (6, 1010, g2)], 1000, [0.5, 1.0],
+                 seed)
+    assert league.decide_extensions(s, ["default"]) == {"default": 2000}
+    assert json.loads((s.ledger / "budgets.json").read_text()) == {"default": 2000}
+    assert league.method_budget(s, "default") == 2000
+    run = league.plan(s, ["table"], check_config=False)[0]
+    assert "loop.budget=2000" in run.overrides and "eval.at_fractions=[0.25,0.5,0.75,1]" in run.overrides
+    assert league.decide_extensions(s, ["default"]) == {}  # its runs at 2000 are not finished; and max_extend is 1
+    s.budget_for = {"default": 3000.0}  # by hand: it wins over the file
+    assert league.method_budget(s, "default") == 3000
+
+
+def test_a_flat_or_falling_method_is_not_extended(tmp_path):
+    s = league.Settings(budget=1000, fractions=(0.5, 1.0), seeds=(0, 1), methods=("default",), grid=False,
+                        claims=False, out=tmp_path / "out", ledger=tmp_path / "docs")
+    for seed, (g1, g2) in ((0, (0.46, 0.44)), (1, (0.47, 0.47))):
+        fake_run(s.out / "table" / "default" / f"seed={seed}", 1e-3, [(3, 510, g1), (6, 1010, g2)], 1000, [0.5, 1.0],
+                 seed)
+    assert league.decide_extensions(s, ["default"]) == {} and not (s.ledger / "budgets.json").exists()
+    # a rising method with a seed unfinished: no decision until every seed has its end
+    import shutil
+
+    for seed, (g1, g2) in ((0, (0.40, 0.46)), (1, (0.42, 0.47))):
+        shutil.rmtree(s.out / "table" / "default" / f"seed={seed}")
+        fake_run(s.out / "table" / "default" / f"seed={seed}", 1e-3, [(3, 510, g1), (6, 1010, g2)], 1000, [0.5, 1.0],
+                 seed)
+    (s.out / "table" / "default" / "seed=1" / "lora" / "pytorch_lora_weights.safetensors").unlink()
+    (s.out / "table" / "default" / "seed=1" / "metrics.csv").write_text("iteration\n")
+    assert league.decide_extensions(s, ["default"]) == {}
+
+
+def test_budget_for_refuses_unknown_methods_and_small_budgets(capsys):
+    for bad in ("bogus=240000", "flow_grpo=1000", "flow_grpo"):
+        with pytest.raises(SystemExit) as e:
+            league.main(["--budget-for", bad, "--dry-run", "--phase", "base"])
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and "--budget-for:" in err and "Traceback" not in err
+
+
+# ------------------------------------------------------------------------------------------------ peaks and power
+def test_peak_and_end_against_a_hand_computation():
+    from scipy.stats import t
+
+    data = {100: {0: 0.40, 1: 0.42, 2: 0.38}, 200: {0: 0.50, 1: 0.46, 2: 0.48}, 300: {0: 0.44, 1: 0.45, 2: 0.40}}
+    pe = lr.peak_and_end(data)
+    assert pe["peak_budget"] == 200 and pe["end_budget"] == 300
+    assert pe["peak"][0] == pytest.approx(0.48) and pe["end"][0] == pytest.approx(0.43)
+    assert pe["peak"][1] == pytest.approx(t.ppf(0.975, 2) * 0.02 / math.sqrt(3))  # sd of .50 .46 .48 is 0.02
+    d = [0.06, 0.01, 0.08]  # peak - end per seed
+    sd = float(np.std(d, ddof=1))
+    assert pe["drop"]["diff"] == pytest.approx(0.05) and pe["drop"]["half"] == pytest.approx(t.ppf(0.975, 2) * sd / math.sqrt(3))
+    # equal means: the earliest point is the peak; a peak at the end has no drop
+    assert lr.peak_budget({1: {0: 0.5}, 2: {0: 0.5}}) == 1
+    assert lr.peak_and_end({1: {0: 0.4, 1: 0.5}, 2: {0: 0.6, 1: 0.6}})["drop"]["diff"] == 0.0
+
+
+def test_seeds_for_is_the_fewest_whose_detectable_difference_is_small_enough():
+    for sd in (0.02, 0.04, 0.07):
+        n = lr.seeds_for(sd, 0.04)
+        assert lr.detectable_difference(sd, n) <= 0.04 < (lr.detectable_difference(sd, n - 1) if n > 2 else 1)
+    # large n: the normal approximation (z_0.975 + z_0.8) sd / sqrt(n) <= 0.04
+    n = lr.seeds_for(0.07, 0.04)
+    assert n == pytest.approx(((1.959964 + 0.841621) * 0.07 / 0.04) ** 2, abs=3)
+    assert lr.seeds_for(0.0, 0.04) is None
+
+
+@pytest.mark.parametrize("gg,gx,ge,extras", [
+    (0.10, 0.02, 0.3, True),    # GenEval +0.10, exact scenes +0.02 (< half), more extras
+    (0.10, 0.06, 0.3, False),   # exact scenes gained more than half of it
+    (0.10, 0.02, -0.1, False),  # fewer extras: the gain is not theirs
+    (-0.05, -0.1, 0.3, False),  # no gain
+    (0.10, math.nan, 0.3, False),
+])
+def test_gains_from_extras(gg, gx, ge, extras):
+    assert lr.gains_from_extras(gg, gx, ge) is extras
+
+
+def test_comparisons_at_peak_pair_each_method_at_its_own_peak():
+    data = {"a": {1: {0: 0.50, 1: 0.52, 2: 0.51}, 2: {0: 0.40, 1: 0.41, 2: 0.42}},
+            "b": {1: {0: 0.40, 1: 0.41, 2: 0.40}, 2: {0: 0.47, 1: 0.49, 2: 0.46}}}
+    (r,) = lr.comparisons_at_peak(data, ["a", "b"])
+    assert r["leader"] == "a" and r["method"] == "b"
+    assert r["diff"] == pytest.approx(np.mean([0.50 - 0.47, 0.52 - 0.49, 0.51 - 0.46]))
+
+
+def test_the_current_protocol_replaces_an_earlier_ones_rows_per_method():
+    rows = [{"method": "a", "budget": 30000, "fraction": 1.0, "seed": 0},  # an earlier run (no run_budget column)
+            {"method": "a", "budget": 30000, "fraction": 0.25, "run_budget": 120000, "seed": 0},
+            {"method": "b", "budget": 15000, "fraction": 0.5, "seed": 0}]
+    got, legacy = lr.select_protocol(rows, lambda m: 120000)
+    assert [(r["method"], r["fraction"]) for r in got] == [("a", 0.25), ("b", 0.5)] and legacy == {"b"}
+
+
+def test_the_report_names_every_difference_of_the_papers_recipe_and_every_pairing_exception():
+    from stepflow.config import composer
+
+    with composer() as compose:
+        diff = {k for k, _, _ in league.config_differences(compose, league.method("default"), league.method("paper"))}
+        exc = league.pairing_exceptions(compose, ["default", "paper", "flow_grpo", "allsteps", "pref_grpo"])
+        arms = {c.arm: compose("train", league.method(c.arm).base_overrides()) for c in league.DECOMPOSITION}
+    assert {"train.beta_kl", "data.balance_by", "loop.substeps", "sampler.schedule", "train.train_steps",
+            "advantage.over", "train.timestep_fraction"} <= diff
+    assert set(exc) == {"paper", "flow_grpo", "pref_grpo"} and "balanced" in exc["paper"][0]
+    assert "same_latent" in exc["flow_grpo"][0] and "8 prompts x 8" in exc["pref_grpo"][0]
+    # each one-change arm differs from its parent exactly where it says
+    assert arms["default_kl04"].train.beta_kl == 0.04 and arms["paper_no_kl"].train.beta_kl == 0.0
+    assert arms["default_balanced"].data.balance_by == "category" and arms["paper_unbalanced"].data.balance_by is None
+    assert arms["default_t5"].loop.substeps == 5 and arms["paper_t2"].loop.substeps == 2
+    assert arms["paper_noisy_step0"].sampler.schedule == "eta_s" and arms["default_every_step"].train.train_steps is None
+    assert {c.arm for c in league.DECOMPOSITION} <= {m.name for m in league.CLAIM_ARMS}

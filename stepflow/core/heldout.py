@@ -107,6 +107,11 @@ def evaluate_geneval(policy: FlowPolicy, prompt_records: Sequence[dict[str, Any]
     return table, images, recs
 
 
+#: reward components the held-out evaluation reports per category beside GenEval's table (``eval/exact_scene*``:
+#: the fraction of exact scenes; ``eval/extra_objects*``: the mean number of objects not asked for)
+SCENE_COMPONENTS = ("exact_scene", "extra_objects")
+
+
 @torch.no_grad()
 def evaluate_reward(policy: FlowPolicy, reward, records: Sequence[dict[str, Any]], num_steps: int = 10,
                     guidance: float = 1.0, seed: int = 0, batch_size: int = 64, dist=None, detail: dict | None = None
@@ -118,7 +123,9 @@ def evaluate_reward(policy: FlowPolicy, reward, records: Sequence[dict[str, Any]
     Returns ``({"eval/<reward>": mean score, "eval/geneval*": ...}, this rank's images, their prompts)``; NaN / inf
     scores are left out of the mean and counted (``eval/nonfinite_rewards``, only when there are any). The
     GenEval-style table (strict accuracy per category, their mean) comes from the reward's own ``strict`` component
-    and each record's ``tag`` (or ``category``), when both exist; the judge runs once per image. ``detail``: a dict
+    and each record's ``tag`` (or ``category``), when both exist; the judge runs once per image. With the components
+    :data:`SCENE_COMPONENTS` as well, ``eval/exact_scene*`` and ``eval/extra_objects*`` are aggregated the same way
+    (per category, then the unweighted mean over the categories). ``detail``: a dict
     that receives this rank's ``records``, per-sample ``scores`` and ``strict`` verdicts (None without them).
     """
     rank, world = (0, 1) if dist is None else (dist.rank, dist.world)
@@ -142,6 +149,10 @@ def evaluate_reward(policy: FlowPolicy, reward, records: Sequence[dict[str, Any]
     strict = out is not None and "strict" in out.components and all(t is not None for t in tags)
     if strict:
         cols.append(out.components["strict"].float())
+    # beside GenEval: exact scenes and objects not asked for, per category (the shapes judge's components)
+    scene = strict and all(k in out.components for k in SCENE_COMPONENTS)
+    if scene:
+        cols += [out.components[k].float() for k in SCENE_COMPONENTS]
     local = torch.stack(cols, 1) if mine else torch.zeros(0, len(cols))
     if world > 1:  # pad every rank's rows to `per`, gather, drop the padding
         pad = torch.full((per, local.shape[1]), float("nan"))
@@ -161,6 +172,14 @@ def evaluate_reward(policy: FlowPolicy, reward, records: Sequence[dict[str, Any]
 
         passed = torch.nan_to_num(local[:, 1], nan=0.0, posinf=0.0, neginf=0.0)  # no valid judgement: not passed
         res.update({f"eval/{k}": v for k, v in table_from_strict(tags, passed.tolist()).items()})
+    if scene:
+        from stepflow.rewards.shapes_geneval import table_from_values
+
+        for j, k in enumerate(SCENE_COMPONENTS, start=2):
+            col = local[:, j]
+            ok = torch.isfinite(col)
+            res.update({f"eval/{name}": v for name, v in table_from_values(
+                k, [t for t, g in zip(tags, ok.tolist()) if g], col[ok].tolist()).items()})
     return res, images, prompts
 
 

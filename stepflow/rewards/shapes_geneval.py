@@ -2,7 +2,9 @@
 
 ``scores`` is the judge's partial credit in [0, 1] (fraction of satisfied GenEval checks; counting
 ``0.5 ** |count error|``), or its strict 0/1 GenEval correctness with ``mode="strict"``. Components (all (B,)):
-``strict`` (0/1), ``partial``, ``n_objects`` (detections). The rules are GenEval's (colour and position on the most
+``strict`` (0/1), ``partial``, ``n_objects`` (detections), ``extra_objects`` (detections the prompt does not ask for)
+and ``exact_scene`` (0/1: strict and no extra object; :func:`stepflow.shapes.detector.extra_objects`; neither enters
+the scores). The rules are GenEval's (colour and position on the most
 confident detections, a counting threshold, exclude lines; see :mod:`stepflow.shapes.detector`).
 
 What is judged: the GenEval metadata of a sample (``meta[i]`` with an ``include`` list, plus ``tag`` and optional
@@ -28,7 +30,7 @@ from stepflow.shapes import CATEGORIES
 from stepflow.shapes import detector as _det
 from stepflow.shapes.detector import FG_THRESHOLD
 
-__all__ = ["ShapesGenEvalReward", "geneval_table", "table_from_strict", "judge_batch"]
+__all__ = ["ShapesGenEvalReward", "geneval_table", "table_from_strict", "table_from_values", "judge_batch"]
 
 
 def _to_hwc_batch(images) -> np.ndarray:
@@ -81,6 +83,12 @@ def table_from_strict(tags: Sequence[str], strict: Sequence[float]) -> dict[str,
     return {"geneval": float(np.mean(list(table.values()))) if table else 0.0, **table}
 
 
+def table_from_values(name: str, tags: Sequence[str], values: Sequence[float]) -> dict[str, float]:
+    """Any per-sample value aggregated as GenEval aggregates its verdicts (:func:`table_from_strict`): the mean per
+    category (``<name>_<tag>``) and ``<name>``, the unweighted mean of the categories present."""
+    return {k.replace("geneval", name, 1): v for k, v in table_from_strict(tags, values).items()}
+
+
 class ShapesGenEvalReward(Reward):
     """Partial-credit GenEval reward of the embedded shapes world (deterministic, CPU, no weights).
 
@@ -107,8 +115,11 @@ class ShapesGenEvalReward(Reward):
         strict = torch.tensor([float(r.strict) for r in res], dtype=torch.float32)
         partial = torch.tensor([r.partial for r in res], dtype=torch.float32)
         n_obj = torch.tensor([float(len(r.detail["detections"])) for r in res], dtype=torch.float32)
+        extra = torch.tensor([float(r.detail["extra_objects"]) for r in res], dtype=torch.float32)
+        exact = torch.tensor([float(r.detail["exact_scene"]) for r in res], dtype=torch.float32)
         scores = partial if self.mode == "partial" else strict
-        return RewardOut(scores.clone(), {"strict": strict, "partial": partial, "n_objects": n_obj})
+        return RewardOut(scores.clone(), {"strict": strict, "partial": partial, "n_objects": n_obj,
+                                          "extra_objects": extra, "exact_scene": exact})
 
     def geneval_table(self, images, prompts: Sequence[str], meta=None) -> dict[str, float]:
         return geneval_table(images, prompts, meta, threshold=self.threshold, min_area=self.min_area)

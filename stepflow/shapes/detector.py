@@ -31,7 +31,8 @@ functions ``evaluate_image`` and ``evaluate``) to the detections, judging from G
 - ``exclude`` clause ``{class, count}``: fewer than ``count`` detections of the class (counting prompts exclude
   ``count + 1``; GenEval's other categories have no exclude lines, so extra objects do not fail them).
 
-``strict`` is GenEval's ``correct``; ``partial`` (the RL reward) is the mean of the same checks in [0, 1]: one check
+``strict`` is GenEval's ``correct``; ``detail["extra_objects"]`` counts the kept detections beyond what the prompt asks
+for and ``detail["exact_scene"]`` is ``strict`` with none (:func:`extra_objects`); ``partial`` (the RL reward) is the mean of the same checks in [0, 1]: one check
 per count, colour, position and exclude clause, each 0/1, except that the count of a class that also has an
 exclude line is one check ``0.5 ** (distance of the count from [count, exclude count - 1])`` (counting:
 ``0.5 ** |count error|``). ``partial == 1`` exactly when ``strict``.
@@ -589,7 +590,21 @@ def _decide(dets: list[Detection], meta: dict[str, Any]) -> JudgeResult:
     vals = list(checks.values())
     strict = all(v >= 1.0 for v in vals)
     partial = float(np.mean(vals)) if vals else 1.0
-    return JudgeResult(strict, partial, {"category": tag, "checks": checks, "detections": list(dets)})
+    extra = extra_objects(by_class, meta)
+    return JudgeResult(strict, partial, {"category": tag, "checks": checks, "detections": list(dets),
+                                         "extra_objects": extra, "exact_scene": bool(strict and extra == 0)})
+
+
+def extra_objects(by_class: dict[str, list[Detection]], meta: dict[str, Any]) -> int:
+    """The objects an image holds that its prompt does not ask for (not a GenEval rule; reported beside it): over
+    every class, the detections GenEval's rules keep for the prompt's tag (``by_class``: the counting threshold for
+    ``counting``, at most MAX_OBJECTS per class) beyond the sum of the include counts of that class,
+    ``sum_c max(0, #c - asked_c)``. An image with ``strict`` and no extra object is an *exact scene*: it holds what the
+    prompt asks for and no other object (GenEval's single-, two-object, colour and position rules accept extras)."""
+    asked: dict[str, int] = {}
+    for c in meta["include"]:
+        asked[c["class"]] = asked.get(c["class"], 0) + int(c["count"])
+    return int(sum(max(0, len(v) - asked.get(cls, 0)) for cls, v in by_class.items()))
 
 
 def judge(image, spec: str | Requirement | dict[str, Any], **detect_kwargs) -> JudgeResult:
