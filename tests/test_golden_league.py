@@ -61,8 +61,14 @@ def test_every_league_recipe_is_recorded(recorded, size):
         assert small == (size == "small"), (name, entry["args"])
 
 
+#: the recipes recorded from 87b3586 (the refactor's guard): CI compares them; the later ones' small entries run with
+#: make test-extended (their full-batch entries with make test-golden)
+GUARDS = {"advantageflow", "awm", "dancegrpo", "flow_grpo", "flow_grpo_fast", "g2rpo", "grpo_guard", "mixgrpo",
+          "mixgrpo_flash", "nft", "paper", "tempflow", "tpgrpo"}
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("name", sorted(SMALL))
+@pytest.mark.parametrize("name", [pytest.param(n, marks=() if n in GUARDS else pytest.mark.extended) for n in sorted(SMALL)])
 def test_league_recipe_matches_the_golden_iteration(name, tmp_path):
     _compare(name, SMALL[name], tmp_path)
 

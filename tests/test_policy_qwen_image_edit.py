@@ -109,6 +109,7 @@ def test_euler_ode_matches_pipeline_at_a_small_source_area(small, sources, cfg, 
 
 
 @pytest.mark.slow
+@pytest.mark.extended  # ~2 min each on 2 cores: make test-extended (the small-area parity runs in CI)
 @pytest.mark.parametrize("cfg", [1.0, CFG])
 def test_euler_ode_matches_pipeline_at_its_own_image_sizing(tiny_dir, sources, cfg):
     """The pipeline's fixed 1024² source area: a 5:3 source becomes 1312 x 800 (its ``calculate_dimensions``)."""

@@ -362,6 +362,8 @@ def test_a_runs_metrics_carry_every_phases_peak_resident_set(tmp_path):
         assert 0.05 < m[f"mem/peak_rss_gib_{p}"] < 64, (p, m[f"mem/peak_rss_gib_{p}"])
 
 
+@pytest.mark.slow
+@pytest.mark.extended  # the benchmark script's own test, minutes on 2 cores: make test-extended
 @needs_clear_refs
 def test_bench_memory_trains_each_variant_in_its_own_process(tmp_path, capsys):
     """``experiments/bench_iteration.py --compare loop.retain_graph=false,true --memory``: a row per variant with each

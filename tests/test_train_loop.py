@@ -43,9 +43,15 @@ OBJECTIVES = ["grpo", "distill", "nft", "awm", "advantageflow"]
 SAMPLERS = ["flow_sde", "ddim_sde", "cps", "ode"]
 
 
+def covering(parts: list[str]) -> list:
+    """Every (sampler, part) pair; CI (``slow``) runs a covering subset, each part and each sampler at least once
+    (part i with sampler i mod 4), the other pairs are ``extended`` (make test-extended)."""
+    return [pytest.param(s, x, id=f"{s}-{x}", marks=() if j == i % len(SAMPLERS) else pytest.mark.extended)
+            for j, s in enumerate(SAMPLERS) for i, x in enumerate(parts)]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("advantage", ADVANTAGES)
-@pytest.mark.parametrize("sampler", SAMPLERS)
+@pytest.mark.parametrize("sampler, advantage", covering(ADVANTAGES))
 def test_two_iterations_every_combination(tmp_path, advantage, sampler):
     module, _ = fit(tmp_path, f"advantage={advantage}", f"sampler={sampler}", "eval.max_prompts=6")
     rows = read_metrics(tmp_path)
@@ -69,8 +75,7 @@ def test_two_iterations_every_combination(tmp_path, advantage, sampler):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("objective", OBJECTIVES[1:])
-@pytest.mark.parametrize("sampler", SAMPLERS)
+@pytest.mark.parametrize("sampler, objective", covering(OBJECTIVES[1:]))
 def test_two_iterations_every_objective(tmp_path, objective, sampler):
     """Each objective trains with every rollout sampler (distill: its own ODE rollout), with finite metrics and
     moved weights."""
@@ -193,14 +198,18 @@ EXTENDED_DDP = [
 
 @pytest.mark.slow
 @pytest.mark.xdist_group("multiprocess")  # 2 processes: with test_sharded's, one at a time (make test-slow)
-@pytest.mark.parametrize("extra", [[], ["train.weighting=auto", "train.auto_warmup=0", "reward=pickscore_tiny", "sampler=flow_sde"],
-                                   ["objective=nft", "sampler=dpm2", "reward=pickscore_tiny", "loop.same_latent=false",
-                                    "advantage=uniform", "advantage.std_scope=global"],
+@pytest.mark.parametrize("extra", [[],  # CI runs plain and tempflow; the others are extended (make test-extended)
+                                   pytest.param(["train.weighting=auto", "train.auto_warmup=0", "reward=pickscore_tiny",
+                                                 "sampler=flow_sde"], marks=pytest.mark.extended),
+                                   pytest.param(["objective=nft", "sampler=dpm2", "reward=pickscore_tiny",
+                                                 "loop.same_latent=false", "advantage=uniform", "advantage.std_scope=global"],
+                                                marks=pytest.mark.extended),
                                    ["advantage=tempflow", "advantage.branches=2", "sampler=flow_sde", "reward=pickscore_tiny",
                                     "loop.same_latent=false", "train.weighting=noise", "loop.prompts_per_iter=1",
                                     "loop.group_size=8"],  # one group over both ranks
-                                   ["advantage=g2rpo", "sampler=flow_sde", "reward=pickscore_tiny", "train.update_per_step=true",
-                                    "train.train_steps=[0,1]"],
+                                   pytest.param(["advantage=g2rpo", "sampler=flow_sde", "reward=pickscore_tiny",
+                                                 "train.update_per_step=true", "train.train_steps=[0,1]"],
+                                                marks=pytest.mark.extended),
                                    *[pytest.param(x, id=i, marks=pytest.mark.extended) for i, x in EXTENDED_DDP]],
                          ids=["plain", "auto", "nft", "tempflow", "g2rpo", *[i for i, _ in EXTENDED_DDP]])
 def test_ddp_two_processes_matches_one(tmp_path, extra):

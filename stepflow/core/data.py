@@ -14,7 +14,7 @@ Prompt files:
 An **edit data set** (``data.source_key``, e.g. ``image``: flow_grpo's counting_edit layout) is a ``.jsonl`` whose
 records also name a source image: ``{"prompt": "<instruction>", "image": "<path>", ...}``, the path absolute or
 relative to the file's folder (PNG, JPEG, WebP, anything PIL reads). The loader checks that every source image can be
-read and stores its absolute path in the record under :data:`~stepflow.policies.base.SOURCE_KEY`, where an editing
+read and stores its absolute path in the record under :data:`SOURCE_KEY`, where an editing
 policy (``encode_rows``) and a reward that reads the source (:func:`source_images`) find it.
 
 A path ``pkg://stepflow/<rel>`` resolves inside the installed package.
@@ -34,6 +34,10 @@ import numpy as np
 import torch
 
 from stepflow.errors import PromptFileError, StepflowError
+
+#: the prompt-record key that holds an edit record's source image (an absolute path, checked readable), set by
+#: :func:`load_prompt_file` from the file's own field ``data.source_key``
+SOURCE_KEY = "source_image"
 
 
 def resolve_path(path: str | Path) -> Path:
@@ -114,8 +118,6 @@ def load_prompt_file(path: str | Path, field: str = "data.train_file",
 
 def _attach_source(rec: dict[str, Any], file: Path, line: int, field: str, key: str) -> None:
     """``rec[SOURCE_KEY]`` = the absolute path of the readable source image that ``rec[key]`` names."""
-    from stepflow.policies.base import SOURCE_KEY
-
     where = f"{field}: {file}:{line}"
     if file.suffix != ".jsonl":
         raise PromptFileError(f"{field}: {file} is a .txt prompt file, but data.source_key={key} asks for an edit data "
@@ -175,8 +177,6 @@ def source_images(meta: Sequence[dict[str, Any]] | None, size: Sequence[int], wh
     ``what``."""
     import numpy as np
     from PIL import Image
-
-    from stepflow.policies.base import SOURCE_KEY
 
     h, w = int(size[0]), int(size[1])
     rows = []

@@ -33,6 +33,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from stepflow.core.data import SOURCE_KEY  # the records' source-image key (re-exported)
 from stepflow.errors import StepflowError
 
 # The attention projections that LoRA adapts in SD3 / SD3.5 (image stream and the joint context stream).
@@ -323,9 +324,6 @@ def check_time_grid(grid: Tensor, what: str = "time_grid") -> Tensor:
     return grid
 
 
-#: the prompt-record key that holds a row's source image (an absolute path), set by the data loader for an edit data
-#: set (``data.source_key``: :func:`stepflow.core.data.load_prompt_file`)
-SOURCE_KEY = "source_image"
 
 
 def takes_source(obj) -> bool | None:
