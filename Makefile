@@ -57,8 +57,10 @@ test-slow: install ## the slow tests: DDP / FSDP2 / DeepSpeed on the CPU, signal
 test-golden: install ## every league recipe's first iteration at its own batch against its golden (about 12 min)
 	$(VPY) -m pytest -q -n $(WORKERS) -m golden_full $(ARGS)
 
-# the newer methods' 2-process and command-line runs (pytest -m extended)
-test-extended: install ## the newer league methods' DDP-equals-one-process and CLI runs (about 15 min)
+# the longer variants outside CI's 30 minutes (pytest -m extended): the newer methods' 2-process, command-line and
+# small-golden runs, DDP cases beyond plain / tempflow, sampler x credit pairs beyond a covering set, the retain
+# benchmark's test, Qwen-Image-Edit's parity at its own 1024² sizing
+test-extended: install ## the longer variants outside CI: more DDP cases, the newer methods' CLI runs and goldens (~20-30 min, from its parts' durations)
 	$(VPY) -m pytest -q -n $(WORKERS) --dist loadgroup -m extended $(ARGS)
 
 test-all: test test-slow ## make test and make test-slow (what CI runs)
