@@ -16,7 +16,14 @@ import pytest
 import torch
 
 from stepflow.testing import random_policies as rf
-from stepflow.testing.harness import ROOT, compose_config, run_cli
+from stepflow.testing.harness import (
+    RANDOM_TINY,
+    ROOT,
+    base_parameters,
+    compose_config,
+    random_config_policies,
+    train_random_config_once,
+)
 
 FAMILY_POLICY = {"sd35_medium": "SD3Policy", "sd35_large": "SD3Policy", "flux_dev": "FluxPolicy",
                  "qwen_image": "QwenImagePolicy"}
@@ -27,7 +34,6 @@ VAE = {"sd35_medium": "AutoencoderKL", "sd35_large": "AutoencoderKL", "flux_dev"
 #: the real text encoders' output shapes: (token length or None for per-prompt lengths, width, pooled width)
 TEXT = {"sd35_medium": (333, 4096, 2048), "sd35_large": (333, 4096, 2048), "flux_dev": (512, 4096, 768),
         "qwen_image": (None, 3584, 0)}
-TINY_OVERRIDES = ["model.tiny=true", "model.dtype=float32", "model.device=cpu"]
 
 
 def _gpu_check():
@@ -200,45 +206,24 @@ def test_there_is_a_random_config_per_model():
 
 @pytest.mark.parametrize("name", RANDOM_CONFIGS)
 def test_random_config_composes_and_builds_tiny_and_full_size(name):
-    from stepflow.train import build_policy
-
     model = name.removesuffix("_random")
-    cfg = compose_config("train", [f"model={name}", *TINY_OVERRIDES])
-    pol = build_policy(cfg)  # the CLI's own path: instantiate, then the lora group's adapter
+    pol, big = random_config_policies(name)
     assert FAMILY_POLICY[model] in _base_names(pol) and type(pol.transformer).__name__ == TRANSFORMER[model]
     assert pol.has_lora and pol.latent_shape == (16, 8, 8)
+    cfg = compose_config("train", [f"model={name}", *RANDOM_TINY])
     assert set(cfg.lora.targets) == set(rf.lora_targets(model))  # recipe/<model>_random.yaml = the real recipe
-    full = build_policy(compose_config("train", [f"model={name}", "model.finetune=full", *TINY_OVERRIDES]))
+    full, _ = random_config_policies(name, "model.finetune=full")
     assert full.finetune == "full" and not full.has_lora
     # full size on the meta device: the YAML's defaults build the published model (no memory)
-    big = build_policy(compose_config("train", [f"model={name}", "model.device=meta"]))
-    n = sum(p.numel() for n_, p in big.transformer.named_parameters() if "lora_" not in n_)
-    assert n == rf.param_counts(model)["transformer"] and big.latent_shape == (16, 64, 64)
+    assert base_parameters(big.transformer) == rf.param_counts(model)["transformer"]
+    assert big.latent_shape == (16, 64, 64)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name,finetune", [("sd35_medium_random", "full"), ("flux_dev_random", "lora")])
 def test_random_config_trains_one_iteration_through_the_cli(tmp_path, name, finetune):
     """The strategies matrix's command line (gpu_check.sh) at tiny size on the CPU: stand-in reward, memory.csv."""
-    extra = ["model.save_weights=false", "callbacks.checkpoint=null"] if finetune == "full" else []
-    r = run_cli("stepflow.train", f"model={name}", *TINY_OVERRIDES, f"model.finetune={finetune}", *extra,
-                "~reward=shapes_geneval", "+reward._target_=stepflow.testing.random_policies.StandInReward",
-                "+callbacks.memory._target_=stepflow.testing.random_policies.peak_memory_callback",
-                "loop.iterations=1", "loop.prompts_per_iter=1", "loop.group_size=4", "loop.num_steps=3",
-                "loop.substeps=1", "train.micro_batch_size=4", "train.beta_kl=0.04", "advantage=gain",
-                "sampler=flow_sde", "eval.max_prompts=2", "eval.num_steps=2", "eval.grid_prompts=2",
-                f"hydra.run.dir={tmp_path}", timeout=600)
-    assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
-    rows = [x for x in csv.DictReader((tmp_path / "metrics.csv").open()) if x.get("time/iteration_s")]
-    assert len(rows) == 1 and float(rows[0]["train/steps_trained"]) > 0
-    mem = list(csv.DictReader((tmp_path / "memory.csv").open()))
-    assert [m["iteration"] for m in mem] == ["start", "1"] and float(mem[1]["wall_s"]) > 0
-    if finetune == "full":
-        assert (tmp_path / "transformer" / "NOT_SAVED.txt").is_file()
-        assert not (tmp_path / "checkpoints").exists()
-    else:
-        assert (tmp_path / "lora" / "pytorch_lora_weights.safetensors").is_file()
-        assert (tmp_path / "checkpoints" / "last.ckpt").is_file()
+    train_random_config_once(tmp_path, name, finetune)
 
 
 # ------------------------------------------------------------------------------------------ memory estimate

@@ -16,6 +16,7 @@ pytest.importorskip("diffusers")
 
 from stepflow.errors import StepflowError  # noqa: E402
 from stepflow.policies.wan import EXPERT_LORA_FILES, LORA_TARGETS_WAN, WanExperts, WanPolicy  # noqa: E402
+from stepflow.testing.harness import base_parameters, random_config_policies  # noqa: E402
 from stepflow.testing.tiny_wan import TINY_FRAMES, TINY_SIZE, tiny_wan_dir  # noqa: E402
 
 PROMPTS = ["a photo of a red circle", "a blue square on the green"]
@@ -381,19 +382,16 @@ def test_cli_refuses_an_image_reward_on_a_video_model(compose):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["wan21_t2v_random", "wan22_t2v_random"])
-def test_random_configs_build_tiny_and_at_the_published_size(compose, name):
+def test_random_configs_build_tiny_and_at_the_published_size(name):
     """model=wan*_random: tiny on the CPU (the contract's twin), and at full size on the meta device with exactly the
     parameters wan_param_counts counts for the memory table (Wan 2.2: two 14 B experts)."""
     from stepflow.testing.tiny_wan import wan_param_counts
-    from stepflow.train import build_policy
 
     model = name.removesuffix("_random")
-    tiny = build_policy(compose("train", [f"model={name}", "model.tiny=true", "model.dtype=float32",
-                                          "model.device=cpu"]))
+    tiny, big = random_config_policies(name)
     assert isinstance(tiny, WanPolicy) and tiny.has_lora and tiny.latent_shape == (16, 3, 4, 4)
     assert (tiny.experts is not None) == (model == "wan22_t2v")
-    big = build_policy(compose("train", [f"model={name}", "model.device=meta"]))
-    n = sum(p.numel() for n_, p in big.transformer.named_parameters() if "lora_" not in n_)
+    n = base_parameters(big.transformer)
     counts = wan_param_counts(model)
     assert n == counts["transformer"] and big.latent_shape == (16, 9, 60, 104)
     assert sum(p.numel() for p in big.lora_parameters()) == counts["lora"]  # rank 32 (the lora group's default)

@@ -5,17 +5,20 @@ memory table of docs/guide.md, "Video, editing and the newest image models"."""
 
 from __future__ import annotations
 
-import csv
-
 import pytest
 import torch
 
 pytest.importorskip("diffusers")
 
 from stepflow.testing import random_flux2_zimage as rz  # noqa: E402
-from stepflow.testing.harness import compose_config, run_cli  # noqa: E402
+from stepflow.testing.harness import (  # noqa: E402
+    RANDOM_TINY,
+    base_parameters,
+    compose_config,
+    random_config_policies,
+    train_random_config_once,
+)
 
-TINY = ["model.tiny=true", "model.dtype=float32", "model.device=cpu"]
 POLICY = {"flux2": "Flux2Policy", "zimage": "ZImagePolicy"}
 #: latent shape at 512 px, text token width, transformer config entries of the published model
 FULL = {"flux2": ((128, 32, 32), 15360, dict(num_layers=8, num_single_layers=48, num_attention_heads=48,
@@ -46,18 +49,15 @@ def test_full_size_builds_on_the_meta_device_at_the_published_size(model):
 
 @pytest.mark.parametrize("model", rz.MODELS)
 def test_random_config_composes_and_builds_tiny_and_full_size(model):
-    from stepflow.train import build_policy
-
-    cfg = compose_config("train", [f"model={model}_random", *TINY])
-    pol = build_policy(cfg)
+    pol, big = random_config_policies(f"{model}_random")
     assert POLICY[model] in {c.__name__ for c in type(pol).__mro__} and pol.has_lora
-    assert set(cfg.lora.targets) == set(rz.lora_targets(model))  # recipe/<model>_random.yaml = the real recipe
+    assert set(compose_config("train", [f"model={model}_random", *RANDOM_TINY]).lora.targets) == \
+        set(rz.lora_targets(model))  # recipe/<model>_random.yaml = the real recipe
     assert set(compose_config("train", [f"model={model}"]).lora.targets) == set(rz.lora_targets(model))
-    full = build_policy(compose_config("train", [f"model={model}_random", "model.finetune=full", *TINY]))
+    full, _ = random_config_policies(f"{model}_random", "model.finetune=full")
     assert full.finetune == "full" and not full.has_lora
-    big = build_policy(compose_config("train", [f"model={model}_random", "model.device=meta"]))
-    n = sum(p.numel() for n_, p in big.transformer.named_parameters() if "lora_" not in n_)
-    assert n == rz.param_counts(model)["transformer"] and big.latent_shape == FULL[model][0]
+    assert base_parameters(big.transformer) == rz.param_counts(model)["transformer"]
+    assert big.latent_shape == FULL[model][0]
 
 
 def test_memory_table_prints_both_models(capsys):
@@ -70,20 +70,4 @@ def test_memory_table_prints_both_models(capsys):
 @pytest.mark.parametrize("model,finetune", [("zimage", "lora"), ("flux2", "full")])
 def test_random_config_trains_one_iteration_through_the_cli(tmp_path, model, finetune):
     """gpu_check.sh's img2 command line at tiny size on the CPU: stand-in reward, memory.csv."""
-    extra = ["model.save_weights=false", "callbacks.checkpoint=null"] if finetune == "full" else []
-    r = run_cli("stepflow.train", f"model={model}_random", *TINY, f"model.finetune={finetune}", *extra,
-                "~reward=shapes_geneval", "+reward._target_=stepflow.testing.random_policies.StandInReward",
-                "+callbacks.memory._target_=stepflow.testing.random_policies.peak_memory_callback",
-                "loop.iterations=1", "loop.prompts_per_iter=1", "loop.group_size=4", "loop.num_steps=3",
-                "loop.substeps=1", "train.micro_batch_size=4", "train.beta_kl=0.04", "advantage=gain",
-                "sampler=flow_sde", "eval.max_prompts=2", "eval.num_steps=2", "eval.grid_prompts=2",
-                f"hydra.run.dir={tmp_path}", timeout=600)
-    assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
-    rows = [x for x in csv.DictReader((tmp_path / "metrics.csv").open()) if x.get("time/iteration_s")]
-    assert len(rows) == 1 and float(rows[0]["train/steps_trained"]) > 0
-    mem = list(csv.DictReader((tmp_path / "memory.csv").open()))
-    assert [m["iteration"] for m in mem] == ["start", "1"]
-    if finetune == "full":
-        assert (tmp_path / "transformer" / "NOT_SAVED.txt").is_file()
-    else:
-        assert (tmp_path / "lora" / "pytorch_lora_weights.safetensors").is_file()
+    train_random_config_once(tmp_path, f"{model}_random", finetune)

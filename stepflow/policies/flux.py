@@ -36,7 +36,7 @@ import torch
 from torch import Tensor
 
 from stepflow.policies.base import LORA_TARGETS_SD3, Cond, check_image_size, check_time_grid
-from stepflow.policies.pipeline import PipelinePolicy, load_pipeline, resolve_dtype
+from stepflow.policies.pipeline import PipelinePolicy, diffusers_loader
 
 __all__ = ["FLUX_DEV", "FLUX_SCHNELL", "LORA_TARGETS_FLUX", "FluxPolicy", "flux_mu", "load_flux_pipeline",
            "pack_latents", "pipeline_time_grid", "unpack_latents"]
@@ -92,16 +92,8 @@ def pipeline_time_grid(scheduler, num_steps: int, image_seq_len: int, what: str 
     return check_time_grid(scheduler.sigmas.clone(), what)
 
 
-def load_flux_pipeline(path: str, dtype: torch.dtype = torch.bfloat16, vae_dtype: torch.dtype = torch.float32,
-                       transformer_path: str | None = None, **kwargs: Any):
-    """``FluxPipeline.from_pretrained(path)`` (Hub id or local diffusers folder) with a one-line
-    :class:`~stepflow.errors.ModelLoadError` on failure; ``transformer_path``: a fine-tuned
-    ``FluxTransformer2DModel`` folder."""
-    from diffusers import FluxPipeline, FluxTransformer2DModel
-
-    return load_pipeline(FluxPipeline, path, dtype, vae_dtype, what="FLUX", example_id=FLUX_DEV,
-                         gated=str(path) == FLUX_DEV, transformer_cls=FluxTransformer2DModel,
-                         transformer_path=transformer_path, **kwargs)
+load_flux_pipeline = diffusers_loader("FluxPipeline", "FluxTransformer2DModel",
+                                      what="FLUX", example_id=FLUX_DEV, gated=lambda p: p == FLUX_DEV)
 
 
 class FluxPolicy(PipelinePolicy):
@@ -157,21 +149,9 @@ class FluxPolicy(PipelinePolicy):
         self._own_scheduler_and_time_hook(pipe)
         self._setup_training(lora, finetune)
 
-    # ------------------------------------------------------------------ loading
-    @classmethod
-    def from_pretrained(cls, path: str = FLUX_DEV, *, dtype: str | torch.dtype = "bfloat16",
-                        vae_dtype: str | torch.dtype = "float32", device: str | torch.device | None = None,
-                        transformer_path: str | None = None, **kwargs: Any) -> "FluxPolicy":
-        """Load a FLUX.1 diffusers pipeline (Hub id or local folder) and wrap it; keyword arguments go to
-        :class:`FluxPolicy`. dtype: transformer + text encoders (``bfloat16`` for training, ``float32`` for exact
-        tests); vae_dtype: the VAE's; device: where to move the modules (``None``: leave them, Lightning moves them);
-        transformer_path: a fully fine-tuned transformer (``save_trained``) to use instead of the pipeline's."""
-        cls.check_args(kwargs)  # a bad numeric argument is one line before the weights load
-        pipe = load_flux_pipeline(path, resolve_dtype(dtype, torch.bfloat16, "model.dtype"),
-                                  resolve_dtype(vae_dtype, field="model.vae_dtype"), transformer_path=transformer_path)
-        policy = cls(pipe, **kwargs)
-        policy._move_to(device)
-        return policy
+    # ------------------------------------------------------------------ loading (PipelinePolicy.from_pretrained)
+    default_path = FLUX_DEV
+    loader = staticmethod(load_flux_pipeline)
 
     # ------------------------------------------------------------------ time grid
     def time_grid(self, num_steps: int) -> Tensor:

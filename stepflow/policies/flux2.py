@@ -39,7 +39,7 @@ import torch
 from torch import Tensor, nn
 
 from stepflow.policies.base import Cond, TimeInputs, check_image_size, check_time_grid
-from stepflow.policies.pipeline import PipelinePolicy, load_pipeline, resolve_dtype
+from stepflow.policies.pipeline import PipelinePolicy, diffusers_loader
 
 __all__ = ["FLUX2_DEV", "LORA_TARGETS_FLUX2", "Flux2Policy", "SequentialTimeInputs", "flux2_mu",
            "load_flux2_pipeline", "pack_tokens", "unpack_tokens"]
@@ -113,16 +113,8 @@ class SequentialTimeInputs(TimeInputs):
         return out
 
 
-def load_flux2_pipeline(path: str, dtype: torch.dtype = torch.bfloat16, vae_dtype: torch.dtype = torch.float32,
-                        transformer_path: str | None = None, **kwargs: Any):
-    """``Flux2Pipeline.from_pretrained(path)`` (Hub id or local diffusers folder) with a one-line
-    :class:`~stepflow.errors.ModelLoadError` on failure; ``transformer_path``: a fine-tuned
-    ``Flux2Transformer2DModel`` folder."""
-    from diffusers import Flux2Pipeline, Flux2Transformer2DModel
-
-    return load_pipeline(Flux2Pipeline, path, dtype, vae_dtype, what="FLUX.2", example_id=FLUX2_DEV,
-                         gated=str(path) == FLUX2_DEV, transformer_cls=Flux2Transformer2DModel,
-                         transformer_path=transformer_path, **kwargs)
+load_flux2_pipeline = diffusers_loader("Flux2Pipeline", "Flux2Transformer2DModel",
+                                       what="FLUX.2", example_id=FLUX2_DEV, gated=lambda p: p == FLUX2_DEV)
 
 
 class Flux2Policy(PipelinePolicy):
@@ -185,19 +177,9 @@ class Flux2Policy(PipelinePolicy):
         self._time_hook = self._time_inputs.install(self.transformer.time_guidance_embed.time_proj)
         self._setup_training(lora, finetune)
 
-    # ------------------------------------------------------------------ loading
-    @classmethod
-    def from_pretrained(cls, path: str = FLUX2_DEV, *, dtype: str | torch.dtype = "bfloat16",
-                        vae_dtype: str | torch.dtype = "float32", device: str | torch.device | None = None,
-                        transformer_path: str | None = None, **kwargs: Any) -> "Flux2Policy":
-        """Load a FLUX.2 diffusers pipeline (Hub id or local folder) and wrap it; keyword arguments go to
-        :class:`Flux2Policy` (dtype / vae_dtype / device / transformer_path as ``FluxPolicy.from_pretrained``)."""
-        cls.check_args(kwargs)  # a bad numeric argument is one line before the weights load
-        pipe = load_flux2_pipeline(path, resolve_dtype(dtype, torch.bfloat16, "model.dtype"),
-                                   resolve_dtype(vae_dtype, field="model.vae_dtype"), transformer_path=transformer_path)
-        policy = cls(pipe, **kwargs)
-        policy._move_to(device)
-        return policy
+    # ------------------------------------------------------------------ loading (PipelinePolicy.from_pretrained)
+    default_path = FLUX2_DEV
+    loader = staticmethod(load_flux2_pipeline)
 
     # ------------------------------------------------------------------ time grid
     def time_grid(self, num_steps: int) -> Tensor:

@@ -34,7 +34,7 @@ from stepflow.errors import StepflowError
 from stepflow.policies.base import Cond
 from stepflow.policies.edit import SourceImages
 from stepflow.policies.flux import LORA_TARGETS_FLUX, FluxPolicy, pack_latents, unpack_latents
-from stepflow.policies.pipeline import load_pipeline, resolve_dtype
+from stepflow.policies.pipeline import diffusers_loader
 
 __all__ = ["FLUX_KONTEXT", "LORA_TARGETS_FLUX_KONTEXT", "FluxKontextPolicy", "load_flux_kontext_pipeline",
            "kontext_ids"]
@@ -46,16 +46,9 @@ FLUX_KONTEXT = "black-forest-labs/FLUX.1-Kontext-dev"
 LORA_TARGETS_FLUX_KONTEXT: tuple[str, ...] = LORA_TARGETS_FLUX + ("proj_mlp",)
 
 
-def load_flux_kontext_pipeline(path: str, dtype: torch.dtype = torch.bfloat16, vae_dtype: torch.dtype = torch.float32,
-                               transformer_path: str | None = None, **kwargs: Any):
-    """``FluxKontextPipeline.from_pretrained(path)`` (Hub id or local diffusers folder) with a one-line
-    :class:`~stepflow.errors.ModelLoadError` on failure; ``transformer_path``: a fine-tuned
-    ``FluxTransformer2DModel`` folder."""
-    from diffusers import FluxKontextPipeline, FluxTransformer2DModel
-
-    return load_pipeline(FluxKontextPipeline, path, dtype, vae_dtype, what="FLUX.1 Kontext", example_id=FLUX_KONTEXT,
-                         gated=str(path) == FLUX_KONTEXT, transformer_cls=FluxTransformer2DModel,
-                         transformer_path=transformer_path, **kwargs)
+load_flux_kontext_pipeline = diffusers_loader("FluxKontextPipeline", "FluxTransformer2DModel",
+                                              what="FLUX.1 Kontext", example_id=FLUX_KONTEXT,
+                                              gated=lambda p: p == FLUX_KONTEXT)
 
 
 def kontext_ids(h: int, w: int, hs: int, ws: int, device, dtype) -> Tensor:
@@ -87,20 +80,9 @@ class FluxKontextPolicy(SourceImages, FluxPolicy):
         if kwargs.get("name") is None:
             self.name = str(getattr(pipe, "name_or_path", "") or "flux_kontext")
 
-    # ------------------------------------------------------------------ loading
-    @classmethod
-    def from_pretrained(cls, path: str = FLUX_KONTEXT, *, dtype: str | torch.dtype = "bfloat16",
-                        vae_dtype: str | torch.dtype = "float32", device: str | torch.device | None = None,
-                        transformer_path: str | None = None, **kwargs: Any) -> "FluxKontextPolicy":
-        """Load a FLUX.1 Kontext diffusers pipeline (Hub id or local folder) and wrap it; keyword arguments go to
-        :class:`FluxKontextPolicy` (dtype / vae_dtype / device / transformer_path as ``FluxPolicy.from_pretrained``)."""
-        cls.check_args(kwargs)
-        pipe = load_flux_kontext_pipeline(path, resolve_dtype(dtype, torch.bfloat16, "model.dtype"),
-                                          resolve_dtype(vae_dtype, field="model.vae_dtype"),
-                                          transformer_path=transformer_path)
-        policy = cls(pipe, **kwargs)
-        policy._move_to(device)
-        return policy
+    # ------------------------------------------------------------------ loading (PipelinePolicy.from_pretrained)
+    default_path = FLUX_KONTEXT
+    loader = staticmethod(load_flux_kontext_pipeline)
 
     # ------------------------------------------------------------------ source images
     def _encode_sources(self, images: list, ids: list[str]) -> list[Tensor]:

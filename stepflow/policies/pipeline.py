@@ -18,7 +18,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -154,6 +154,28 @@ def load_pipeline(pipeline_cls, path: str, dtype: torch.dtype = torch.bfloat16,
     return pipe
 
 
+def diffusers_loader(pipeline: str, transformer: str, *, what: str, example_id: str,
+                     gated: Callable[[str], bool] | None = None) -> Callable[..., Any]:
+    """A family's loader ``load(path, dtype=bf16, vae_dtype=fp32, transformer_path=None, **kwargs)``:
+    ``diffusers.<pipeline>.from_pretrained(path)`` (a Hub id or a local diffusers folder) through
+    :func:`load_pipeline`, with a one-line :class:`ModelLoadError` on failure; ``transformer_path``: a fine-tuned
+    ``diffusers.<transformer>`` folder. ``what`` names the model in messages, ``example_id`` is the Hub id the hint
+    names, ``gated(path)``: whether the message mentions the licence."""
+
+    def load(path: str, dtype: torch.dtype = torch.bfloat16, vae_dtype: torch.dtype = torch.float32,
+             transformer_path: str | None = None, **kwargs: Any):
+        import diffusers
+
+        return load_pipeline(getattr(diffusers, pipeline), path, dtype, vae_dtype, what=what, example_id=example_id,
+                             gated=bool(gated and gated(str(path))), transformer_cls=getattr(diffusers, transformer),
+                             transformer_path=transformer_path, **kwargs)
+
+    load.__doc__ = (f"``{pipeline}.from_pretrained(path)`` (a Hub id such as ``{example_id}`` or a local diffusers "
+                    f"folder) with a one-line ModelLoadError on failure; ``transformer_path``: a fine-tuned "
+                    f"``{transformer}`` folder (see stepflow.policies.pipeline.diffusers_loader).")
+    return load
+
+
 def _load_transformer(cls, path: str, dtype: torch.dtype, dtype_key: str, what: str):
     """``cls.from_pretrained(path)``: a transformer folder with ``config.json``."""
     local = Path(path).expanduser()
@@ -208,6 +230,34 @@ class PipelinePolicy(FlowPolicy):
         ``from_pretrained``'s keyword arguments; others are ignored): non-numbers, inf / nan, out of bounds. Called
         before any weights load; the size's multiple needs the pipeline (:func:`check_image_size`)."""
         _check_args(values, cls.ARG_RULES)
+
+    #: the Hub id :meth:`from_pretrained` loads when given no path
+    default_path: str | None = None
+    #: the family's pipeline loader, ``loader(path, dtype, vae_dtype, transformer_path=...)`` (a function of the
+    #: family's module, set as ``loader = staticmethod(load_<family>_pipeline)``)
+    loader: Callable[..., Any] | None = None
+
+    @classmethod
+    def from_pretrained(cls, path: str | None = None, *, dtype: str | torch.dtype = "bfloat16",
+                        vae_dtype: str | torch.dtype = "float32", device: str | torch.device | None = None,
+                        transformer_path: str | None = None, **kwargs: Any):
+        """Load the family's diffusers pipeline (a Hub id or a local folder; ``None``: :attr:`default_path`) through
+        :attr:`loader` and wrap it; other keyword arguments go to the class.
+
+        dtype: the transformer's and text encoders' weights (``bfloat16`` for training, ``float32`` for exact tests);
+        the SDE math stays fp32 (``velocity`` returns fp32). vae_dtype: the VAE's (fp32 default). device: move the
+        modules there (``None`` leaves them on the CPU: Lightning moves the registered modules; text encoders follow
+        on first ``encode``). transformer_path: a fully fine-tuned transformer (``save_trained`` of a
+        ``finetune=full`` run) to use instead of the pipeline's. Raises :class:`ModelLoadError` (one line) on
+        failure; a bad numeric argument is one line before anything loads (:meth:`check_args`)."""
+        cls.check_args(kwargs)
+        if cls.loader is None:
+            raise TypeError(f"{cls.__name__} sets no pipeline `loader` (loader = staticmethod(load_..._pipeline))")
+        pipe = cls.loader(path or cls.default_path, resolve_dtype(dtype, torch.bfloat16, "model.dtype"),
+                          resolve_dtype(vae_dtype, field="model.vae_dtype"), transformer_path=transformer_path)
+        policy = cls(pipe, **kwargs)
+        policy._move_to(device)
+        return policy
 
     def __init__(self, pipe, *, name: str | None = None, max_sequence_length: int = 256,
                  gradient_checkpointing: bool = False, offload_text_encoders: bool = False, guidance: float = 1.0,

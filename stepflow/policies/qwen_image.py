@@ -34,7 +34,7 @@ from torch import Tensor
 
 from stepflow.policies.base import LORA_TARGETS_SD3, Cond, check_image_size
 from stepflow.policies.flux import pack_latents, pipeline_time_grid, unpack_latents
-from stepflow.policies.pipeline import PipelinePolicy, load_pipeline, resolve_dtype
+from stepflow.policies.pipeline import PipelinePolicy, diffusers_loader
 
 __all__ = ["LORA_TARGETS_QWEN_IMAGE", "QWEN_IMAGE", "QwenImagePolicy", "load_qwen_image_pipeline"]
 
@@ -49,15 +49,8 @@ LORA_TARGETS_QWEN_IMAGE: tuple[str, ...] = LORA_TARGETS_SD3 + (
 )
 
 
-def load_qwen_image_pipeline(path: str, dtype: torch.dtype = torch.bfloat16, vae_dtype: torch.dtype = torch.float32,
-                             transformer_path: str | None = None, **kwargs: Any):
-    """``QwenImagePipeline.from_pretrained(path)`` (Hub id or local diffusers folder) with a one-line
-    :class:`~stepflow.errors.ModelLoadError` on failure; ``transformer_path``: a fine-tuned
-    ``QwenImageTransformer2DModel`` folder."""
-    from diffusers import QwenImagePipeline, QwenImageTransformer2DModel
-
-    return load_pipeline(QwenImagePipeline, path, dtype, vae_dtype, what="Qwen-Image", example_id=QWEN_IMAGE,
-                         transformer_cls=QwenImageTransformer2DModel, transformer_path=transformer_path, **kwargs)
+load_qwen_image_pipeline = diffusers_loader("QwenImagePipeline", "QwenImageTransformer2DModel",
+                                            what="Qwen-Image", example_id=QWEN_IMAGE)
 
 
 class QwenImagePolicy(PipelinePolicy):
@@ -109,20 +102,9 @@ class QwenImagePolicy(PipelinePolicy):
         self._own_scheduler_and_time_hook(pipe)
         self._setup_training(lora, finetune)
 
-    # ------------------------------------------------------------------ loading
-    @classmethod
-    def from_pretrained(cls, path: str = QWEN_IMAGE, *, dtype: str | torch.dtype = "bfloat16",
-                        vae_dtype: str | torch.dtype = "float32", device: str | torch.device | None = None,
-                        transformer_path: str | None = None, **kwargs: Any) -> "QwenImagePolicy":
-        """Load a Qwen-Image diffusers pipeline (Hub id or local folder) and wrap it; keyword arguments go to
-        :class:`QwenImagePolicy` (dtype / vae_dtype / device / transformer_path as ``FluxPolicy.from_pretrained``)."""
-        cls.check_args(kwargs)  # a bad numeric argument is one line before the weights load
-        pipe = load_qwen_image_pipeline(path, resolve_dtype(dtype, torch.bfloat16, "model.dtype"),
-                                        resolve_dtype(vae_dtype, field="model.vae_dtype"),
-                                        transformer_path=transformer_path)
-        policy = cls(pipe, **kwargs)
-        policy._move_to(device)
-        return policy
+    # ------------------------------------------------------------------ loading (PipelinePolicy.from_pretrained)
+    default_path = QWEN_IMAGE
+    loader = staticmethod(load_qwen_image_pipeline)
 
     # ------------------------------------------------------------------ time grid
     def time_grid(self, num_steps: int) -> Tensor:

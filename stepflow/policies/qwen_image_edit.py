@@ -37,7 +37,7 @@ from stepflow.errors import StepflowError
 from stepflow.policies.base import Cond
 from stepflow.policies.edit import SourceImages
 from stepflow.policies.flux import pack_latents, unpack_latents
-from stepflow.policies.pipeline import load_pipeline, resolve_dtype
+from stepflow.policies.pipeline import diffusers_loader
 from stepflow.policies.qwen_image import QwenImagePolicy
 
 __all__ = ["QWEN_IMAGE_EDIT", "QwenImageEditPolicy", "load_qwen_image_edit_pipeline", "SOURCE_FITS"]
@@ -47,17 +47,8 @@ QWEN_IMAGE_EDIT = "Qwen/Qwen-Image-Edit"
 SOURCE_FITS = ("aspect", "output")
 
 
-def load_qwen_image_edit_pipeline(path: str, dtype: torch.dtype = torch.bfloat16,
-                                  vae_dtype: torch.dtype = torch.float32, transformer_path: str | None = None,
-                                  **kwargs: Any):
-    """``QwenImageEditPipeline.from_pretrained(path)`` (Hub id or local diffusers folder) with a one-line
-    :class:`~stepflow.errors.ModelLoadError` on failure; ``transformer_path``: a fine-tuned
-    ``QwenImageTransformer2DModel`` folder."""
-    from diffusers import QwenImageEditPipeline, QwenImageTransformer2DModel
-
-    return load_pipeline(QwenImageEditPipeline, path, dtype, vae_dtype, what="Qwen-Image-Edit",
-                         example_id=QWEN_IMAGE_EDIT, transformer_cls=QwenImageTransformer2DModel,
-                         transformer_path=transformer_path, **kwargs)
+load_qwen_image_edit_pipeline = diffusers_loader("QwenImageEditPipeline", "QwenImageTransformer2DModel",
+                                                 what="Qwen-Image-Edit", example_id=QWEN_IMAGE_EDIT)
 
 
 class QwenImageEditPolicy(SourceImages, QwenImagePolicy):
@@ -86,20 +77,9 @@ class QwenImageEditPolicy(SourceImages, QwenImagePolicy):
         self.source_area = int(source_area)
         self.source_fit = source_fit
 
-    # ------------------------------------------------------------------ loading
-    @classmethod
-    def from_pretrained(cls, path: str = QWEN_IMAGE_EDIT, *, dtype: str | torch.dtype = "bfloat16",
-                        vae_dtype: str | torch.dtype = "float32", device: str | torch.device | None = None,
-                        transformer_path: str | None = None, **kwargs: Any) -> "QwenImageEditPolicy":
-        """Load a Qwen-Image-Edit diffusers pipeline (Hub id or local folder) and wrap it; keyword arguments go to
-        :class:`QwenImageEditPolicy`."""
-        cls.check_args(kwargs)
-        pipe = load_qwen_image_edit_pipeline(path, resolve_dtype(dtype, torch.bfloat16, "model.dtype"),
-                                             resolve_dtype(vae_dtype, field="model.vae_dtype"),
-                                             transformer_path=transformer_path)
-        policy = cls(pipe, **kwargs)
-        policy._move_to(device)
-        return policy
+    # ------------------------------------------------------------------ loading (PipelinePolicy.from_pretrained)
+    default_path = QWEN_IMAGE_EDIT
+    loader = staticmethod(load_qwen_image_edit_pipeline)
 
     # ------------------------------------------------------------------ source images
     def source_size(self, image) -> tuple[int, int]:

@@ -26,11 +26,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-import torch
 from torch import Tensor
 
 from stepflow.policies.base import LORA_TARGETS_SD3, check_image_size
-from stepflow.policies.pipeline import PipelinePolicy, load_pipeline, resolve_dtype
+from stepflow.policies.pipeline import PipelinePolicy, diffusers_loader, resolve_dtype
 
 __all__ = ["SD3Policy", "default_lora", "load_sd3_pipeline", "resolve_dtype"]
 
@@ -38,20 +37,9 @@ SD35_MEDIUM = "stabilityai/stable-diffusion-3.5-medium"
 SD35_LARGE = "stabilityai/stable-diffusion-3.5-large"
 
 
-def load_sd3_pipeline(path: str, dtype: torch.dtype = torch.bfloat16, vae_dtype: torch.dtype = torch.float32,
-                      transformer_path: str | None = None, **kwargs: Any):
-    """``StableDiffusion3Pipeline.from_pretrained(path)``, a failure being one line
-    (:class:`~stepflow.errors.ModelLoadError`).
-
-    ``path``: a Hub id (``stabilityai/stable-diffusion-3.5-medium``) or a local diffusers folder (with
-    ``model_index.json``). The VAE loads in ``vae_dtype`` (fp32 by default), everything else in ``dtype``.
-    ``transformer_path``: a fine-tuned ``SD3Transformer2DModel`` folder (``save_trained`` with ``finetune=full``).
-    """
-    from diffusers import SD3Transformer2DModel, StableDiffusion3Pipeline
-
-    return load_pipeline(StableDiffusion3Pipeline, path, dtype, vae_dtype, what="SD3", example_id=SD35_MEDIUM,
-                         gated=str(path).startswith("stabilityai/"), transformer_cls=SD3Transformer2DModel,
-                         transformer_path=transformer_path, **kwargs)
+load_sd3_pipeline = diffusers_loader("StableDiffusion3Pipeline", "SD3Transformer2DModel",
+                                     what="SD3", example_id=SD35_MEDIUM,
+                                     gated=lambda p: p.startswith("stabilityai/"))
 
 
 class SD3Policy(PipelinePolicy):
@@ -102,30 +90,9 @@ class SD3Policy(PipelinePolicy):
         self.timestep_scale = float(sched.get("num_train_timesteps", 1000))
         self._setup_training(lora, finetune)
 
-    # ------------------------------------------------------------------ loading
-    @classmethod
-    def from_pretrained(cls, path: str = SD35_MEDIUM, *, dtype: str | torch.dtype = "bfloat16",
-                        vae_dtype: str | torch.dtype = "float32", device: str | torch.device | None = None,
-                        height: int = 512, width: int = 512, max_sequence_length: int = 256,
-                        gradient_checkpointing: bool = False, lora: Mapping[str, Any] | None = None,
-                        transformer_path: str | None = None, **kwargs: Any) -> "SD3Policy":
-        """Load an SD3/SD3.5 diffusers pipeline (Hub id or local folder) and wrap it.
-
-        dtype: weights of the transformer and text encoders (``bfloat16`` for SD3.5 training; ``float32`` for exact
-        tests); the SDE math stays fp32 (``velocity`` returns fp32). vae_dtype: the VAE's (fp32 default).
-        device: move the transformer, VAE and (unless offloaded) text encoders there; ``None`` leaves them on the CPU
-        (Lightning moves the registered modules; text encoders follow on first ``encode``).
-        transformer_path: a fine-tuned transformer folder (``save_trained`` of a ``finetune=full`` run) to use.
-        Other keyword arguments go to :class:`SD3Policy`. Raises :class:`ModelLoadError` (one line) on failure; a
-        bad numeric argument is one line before anything loads.
-        """
-        cls.check_args(dict(kwargs, height=height, width=width, max_sequence_length=max_sequence_length))
-        pipe = load_sd3_pipeline(path, resolve_dtype(dtype, torch.bfloat16, "model.dtype"),
-                                 resolve_dtype(vae_dtype, field="model.vae_dtype"), transformer_path=transformer_path)
-        policy = cls(pipe, height=height, width=width, max_sequence_length=max_sequence_length,
-                     gradient_checkpointing=gradient_checkpointing, lora=lora, **kwargs)
-        policy._move_to(device)
-        return policy
+    # ------------------------------------------------------------------ loading (PipelinePolicy.from_pretrained)
+    default_path = SD35_MEDIUM
+    loader = staticmethod(load_sd3_pipeline)
 
     # ------------------------------------------------------------------ text
     def _encode_chunk(self, prompts: list[str]) -> list[tuple[Tensor, Tensor]]:

@@ -46,7 +46,7 @@ from torch import Tensor, nn
 
 from stepflow.errors import ModelLoadError, StepflowError
 from stepflow.policies.base import Cond, check_image_size, check_number, check_time_grid
-from stepflow.policies.pipeline import PipelinePolicy, _load_transformer, load_pipeline, resolve_dtype
+from stepflow.policies.pipeline import PipelinePolicy, _load_transformer, load_pipeline
 
 __all__ = ["LORA_TARGETS_WAN", "WAN21_T2V", "WAN22_T2V", "WanExperts", "WanPolicy", "check_num_frames",
            "load_wan_pipeline"]
@@ -163,9 +163,10 @@ def _wan_classes():
 
 
 def load_wan_pipeline(path: str, dtype: torch.dtype = torch.bfloat16, vae_dtype: torch.dtype = torch.float32,
-                      transformer_path: str | None = None, example_id: str = WAN21_T2V, **kwargs: Any):
+                      transformer_path: str | None = None, example_id: str | None = None, **kwargs: Any):
     """``WanPipeline.from_pretrained(path)`` (Hub id or local diffusers folder) with a one-line
-    :class:`~stepflow.errors.ModelLoadError` on failure. ``transformer_path``: a fully fine-tuned transformer folder
+    :class:`~stepflow.errors.ModelLoadError` on failure (``example_id``: the Hub id its hint names; ``None``: Wan 2.2's
+    where the path says 2.2, else Wan 2.1's). ``transformer_path``: a fully fine-tuned transformer folder
     (``save_trained``): Wan 2.1's ``config.json`` folder, or Wan 2.2's folder holding ``transformer/`` and
     ``transformer_2/``."""
     pipe_cls, tr_cls = _wan_classes()
@@ -180,6 +181,7 @@ def load_wan_pipeline(path: str, dtype: torch.dtype = torch.bfloat16, vae_dtype:
         if (root / "transformer_2" / "config.json").is_file():
             kwargs["transformer_2"] = _load_transformer(tr_cls, str(root / "transformer_2"), dtype, key, "Wan")
         transformer_path = None
+    example_id = example_id or (WAN22_T2V if "2.2" in str(path) else WAN21_T2V)
     return load_pipeline(pipe_cls, path, dtype, vae_dtype, what="Wan", example_id=example_id,
                          transformer_cls=tr_cls, transformer_path=transformer_path, **kwargs)
 
@@ -279,23 +281,17 @@ class WanPolicy(PipelinePolicy):
         """Wan 2.2's two transformers (None for Wan 2.1)."""
         return self.transformer if isinstance(self.transformer, WanExperts) else None
 
-    # ------------------------------------------------------------------ loading
+    # ------------------------------------------------------------------ loading (PipelinePolicy.from_pretrained)
+    default_path = WAN21_T2V
+    loader = staticmethod(load_wan_pipeline)
+
     @classmethod
-    def from_pretrained(cls, path: str = WAN21_T2V, *, dtype: str | torch.dtype = "bfloat16",
-                        vae_dtype: str | torch.dtype = "float32", device: str | torch.device | None = None,
-                        transformer_path: str | None = None, **kwargs: Any) -> "WanPolicy":
-        """Load a Wan diffusers pipeline (Hub id or local folder) and wrap it; keyword arguments go to
-        :class:`WanPolicy` (dtype / vae_dtype / device as ``FluxPolicy.from_pretrained``; transformer_path: a fully
-        fine-tuned run's ``<run>/transformer``)."""
-        cls.check_args(kwargs)  # a bad numeric argument is one line before the weights load
-        if "num_frames" in kwargs:
-            check_num_frames(kwargs["num_frames"], 4)  # Wan's VAE; the pipeline's own factor is checked again
-        pipe = load_wan_pipeline(path, resolve_dtype(dtype, torch.bfloat16, "model.dtype"),
-                                 resolve_dtype(vae_dtype, field="model.vae_dtype"), transformer_path=transformer_path,
-                                 example_id=WAN22_T2V if "2.2" in str(path) else WAN21_T2V)
-        policy = cls(pipe, **kwargs)
-        policy._move_to(device)
-        return policy
+    def from_pretrained(cls, path: str | None = None, **kwargs: Any) -> "WanPolicy":
+        """:meth:`PipelinePolicy.from_pretrained`, with ``num_frames`` checked against Wan's VAE (4k + 1) before the
+        weights load (the pipeline's own temporal factor is checked again once it has loaded)."""
+        if kwargs.get("num_frames") is not None:
+            check_num_frames(kwargs["num_frames"], 4)
+        return super().from_pretrained(path, **kwargs)
 
     # ------------------------------------------------------------------ time grid
     def time_grid(self, num_steps: int) -> Tensor:

@@ -35,7 +35,7 @@ import torch
 from torch import Tensor
 
 from stepflow.policies.base import Cond, check_image_size, check_number, check_time_grid
-from stepflow.policies.pipeline import PipelinePolicy, load_pipeline, resolve_dtype
+from stepflow.policies.pipeline import PipelinePolicy, diffusers_loader
 
 __all__ = ["LORA_TARGETS_ZIMAGE", "ZIMAGE_TURBO", "ZImagePolicy", "load_zimage_pipeline", "zimage_mu"]
 
@@ -60,15 +60,8 @@ def zimage_mu(image_seq_len: int, scheduler_config: Mapping[str, Any]) -> float:
     return image_seq_len * m + (base_shift - m * base_len)
 
 
-def load_zimage_pipeline(path: str, dtype: torch.dtype = torch.bfloat16, vae_dtype: torch.dtype = torch.float32,
-                         transformer_path: str | None = None, **kwargs: Any):
-    """``ZImagePipeline.from_pretrained(path)`` (Hub id or local diffusers folder) with a one-line
-    :class:`~stepflow.errors.ModelLoadError` on failure; ``transformer_path``: a fine-tuned
-    ``ZImageTransformer2DModel`` folder."""
-    from diffusers import ZImagePipeline, ZImageTransformer2DModel
-
-    return load_pipeline(ZImagePipeline, path, dtype, vae_dtype, what="Z-Image", example_id=ZIMAGE_TURBO,
-                         transformer_cls=ZImageTransformer2DModel, transformer_path=transformer_path, **kwargs)
+load_zimage_pipeline = diffusers_loader("ZImagePipeline", "ZImageTransformer2DModel",
+                                        what="Z-Image", example_id=ZIMAGE_TURBO)
 
 
 class ZImagePolicy(PipelinePolicy):
@@ -125,20 +118,9 @@ class ZImagePolicy(PipelinePolicy):
         self._cfg_off: Tensor | None = None  # rows of the current velocity call past cfg_truncation
         self._setup_training(lora, finetune)
 
-    # ------------------------------------------------------------------ loading
-    @classmethod
-    def from_pretrained(cls, path: str = ZIMAGE_TURBO, *, dtype: str | torch.dtype = "bfloat16",
-                        vae_dtype: str | torch.dtype = "float32", device: str | torch.device | None = None,
-                        transformer_path: str | None = None, **kwargs: Any) -> "ZImagePolicy":
-        """Load a Z-Image diffusers pipeline (Hub id or local folder) and wrap it; keyword arguments go to
-        :class:`ZImagePolicy` (dtype / vae_dtype / device / transformer_path as ``FluxPolicy.from_pretrained``)."""
-        cls.check_args(kwargs)  # a bad numeric argument is one line before the weights load
-        pipe = load_zimage_pipeline(path, resolve_dtype(dtype, torch.bfloat16, "model.dtype"),
-                                    resolve_dtype(vae_dtype, field="model.vae_dtype"),
-                                    transformer_path=transformer_path)
-        policy = cls(pipe, **kwargs)
-        policy._move_to(device)
-        return policy
+    # ------------------------------------------------------------------ loading (PipelinePolicy.from_pretrained)
+    default_path = ZIMAGE_TURBO
+    loader = staticmethod(load_zimage_pipeline)
 
     # ------------------------------------------------------------------ time grid
     def time_grid(self, num_steps: int) -> Tensor:

@@ -7,6 +7,9 @@
   stdout and stderr as a subprocess would give them, without the seconds of a fresh interpreter's imports;
 - :func:`run_module`: the same in a subprocess, offline (one test per entry point, and the multi-process tests);
 - :func:`save_tiny`: a tiny random pipeline folder of one kind (:data:`TINY_KINDS`, the ``tiny_pipeline`` fixture);
+- :func:`random_config_policies` / :func:`train_random_config_once`: a ``model=*_random`` config (the GPU checks'
+  random builders) built by the training CLI's own path, tiny on the CPU and at full size on the meta device, and
+  one CLI iteration of it at tiny size (gpu_check.sh's command line);
 - :class:`FakeHTTPServer`: the one programmable HTTP server of the tests (the ``http_server`` fixture).
 
 ``ROOT``: the repository checkout these tests run in.
@@ -244,3 +247,51 @@ def last_train_metrics(module) -> dict[str, float]:
         if train:
             return train
     raise AssertionError("no iteration logged train/ metrics")
+
+
+#: a ``model=*_random`` config at tiny size on the CPU in fp32
+RANDOM_TINY = ("model.tiny=true", "model.dtype=float32", "model.device=cpu")
+
+
+def random_config_policies(name: str, *overrides: str):
+    """``(tiny, big)``: ``model=<name>`` (a ``*_random`` config) built by the training CLI's own path
+    (``stepflow.train.build_policy``: instantiate, then the lora group's adapter) at tiny size on the CPU, and at the
+    published size on the meta device (no memory); ``overrides`` go to the tiny one."""
+    from stepflow.train import build_policy
+
+    tiny = build_policy(compose_config("train", [f"model={name}", *RANDOM_TINY, *overrides]))
+    big = build_policy(compose_config("train", [f"model={name}", "model.device=meta"]))
+    return tiny, big
+
+
+def base_parameters(module) -> int:
+    """The number of a module's parameters outside its LoRA adapter."""
+    return sum(p.numel() for n, p in module.named_parameters() if "lora_" not in n)
+
+
+def train_random_config_once(run_dir: Path, name: str, finetune: str, timeout: int = 600) -> None:
+    """One iteration of ``model=<name>`` at tiny size through the training CLI, as gpu_check.sh runs it (a stand-in
+    reward, the peak-memory callback): a trained step, ``memory.csv`` rows ``start`` and ``1``, and the run's weights
+    (a LoRA adapter and the checkpoint, or for ``finetune=full`` with ``save_weights=false`` only the NOT_SAVED
+    marker and no checkpoint)."""
+    import csv
+
+    extra = ["model.save_weights=false", "callbacks.checkpoint=null"] if finetune == "full" else []
+    r = run_module("stepflow.train", f"model={name}", *RANDOM_TINY, f"model.finetune={finetune}", *extra,
+                   "~reward=shapes_geneval", "+reward._target_=stepflow.testing.random_policies.StandInReward",
+                   "+callbacks.memory._target_=stepflow.testing.random_policies.peak_memory_callback",
+                   "loop.iterations=1", "loop.prompts_per_iter=1", "loop.group_size=4", "loop.num_steps=3",
+                   "loop.substeps=1", "train.micro_batch_size=4", "train.beta_kl=0.04", "advantage=gain",
+                   "sampler=flow_sde", "eval.max_prompts=2", "eval.num_steps=2", "eval.grid_prompts=2",
+                   f"hydra.run.dir={run_dir}", timeout=timeout)
+    assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
+    rows = [x for x in csv.DictReader((run_dir / "metrics.csv").open()) if x.get("time/iteration_s")]
+    assert len(rows) == 1 and float(rows[0]["train/steps_trained"]) > 0
+    mem = list(csv.DictReader((run_dir / "memory.csv").open()))
+    assert [m["iteration"] for m in mem] == ["start", "1"] and float(mem[1]["wall_s"]) > 0
+    if finetune == "full":
+        assert (run_dir / "transformer" / "NOT_SAVED.txt").is_file()
+        assert not (run_dir / "checkpoints").exists()
+    else:
+        assert (run_dir / "lora" / "pytorch_lora_weights.safetensors").is_file()
+        assert (run_dir / "checkpoints" / "last.ckpt").is_file()

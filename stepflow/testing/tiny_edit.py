@@ -26,16 +26,14 @@ import shutil
 import tempfile
 from pathlib import Path
 
-import torch
-
 from stepflow.testing.tiny_policies import (
-    _CLIP_H,
     _QWEN_SPECIAL,
     _WORDS,
     TINY_HEIGHT,
     build_tiny_flux_pipeline,
     bytes_to_unicode,
     keeps_rng,
+    tiny_qwen_image_parts,
 )
 
 __all__ = ["QWEN_EDIT_TEMPLATE_WORDS", "build_tiny_flux_kontext_pipeline", "build_tiny_qwen_image_edit_pipeline",
@@ -114,42 +112,11 @@ def build_tiny_qwen_image_edit_pipeline(seed: int = 0):
     Transformer, VAE and scheduler: the tiny Qwen-Image's (2 double-stream blocks, the causal 3-D VAE with
     per-channel latent mean/std, dynamic shift with ``shift_terminal``).
     """
-    from diffusers import (
-        AutoencoderKLQwenImage,
-        FlowMatchEulerDiscreteScheduler,
-        QwenImageEditPipeline,
-        QwenImageTransformer2DModel,
-    )
-    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+    from diffusers import QwenImageEditPipeline
 
     tok = make_qwen_edit_tokenizer()
-    ids = {t: tok.convert_tokens_to_ids(t) for t in _QWEN_SPECIAL + ["<|endoftext|>", "<|video_pad|>"]}
-    torch.manual_seed(seed)
-    cfg = Qwen2_5_VLConfig(
-        text_config={"hidden_size": 2 * _CLIP_H, "intermediate_size": 48, "num_hidden_layers": 2,
-                     "num_attention_heads": 2, "num_key_value_heads": 2, "vocab_size": len(tok),
-                     "max_position_embeddings": 4096, "rope_theta": 1000000.0,
-                     "rope_scaling": {"mrope_section": [2, 3, 3], "rope_type": "default", "type": "default"},
-                     "bos_token_id": ids["<|endoftext|>"], "eos_token_id": ids["<|im_end|>"],
-                     "pad_token_id": ids["<|endoftext|>"]},
-        vision_config={"depth": 1, "hidden_size": 16, "intermediate_size": 16, "num_heads": 2,
-                       "out_hidden_size": 2 * _CLIP_H, "fullatt_block_indexes": [0]},
-        hidden_size=2 * _CLIP_H, vocab_size=len(tok), bos_token_id=ids["<|endoftext|>"], eos_token_id=ids["<|im_end|>"],
-        vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],
-        vision_token_id=ids["<|image_pad|>"], image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"])
-    text_encoder = Qwen2_5_VLForConditionalGeneration(cfg).eval()
-    transformer = QwenImageTransformer2DModel(patch_size=2, in_channels=64, out_channels=16, num_layers=2,
-                                              attention_head_dim=16, num_attention_heads=2,
-                                              joint_attention_dim=2 * _CLIP_H, axes_dims_rope=(4, 6, 6))
-    vae = AutoencoderKLQwenImage(base_dim=16, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1,
-                                 temperal_downsample=[False, True, True],
-                                 latents_mean=[round(0.1 * i - 0.8, 4) for i in range(16)],
-                                 latents_std=[round(1.0 + 0.1 * i, 4) for i in range(16)])
-    scheduler = FlowMatchEulerDiscreteScheduler(
-        base_image_seq_len=256, base_shift=0.5, invert_sigmas=False, max_image_seq_len=8192, max_shift=0.9,
-        num_train_timesteps=1000, shift=1.0, shift_terminal=0.02, stochastic_sampling=False,
-        time_shift_type="exponential", use_beta_sigmas=False, use_dynamic_shifting=True, use_exponential_sigmas=False,
-        use_karras_sigmas=False)
+    text_encoder, transformer, vae, scheduler = tiny_qwen_image_parts(
+        tok, seed, max_position_embeddings=4096, video_token="<|video_pad|>", fullatt_block_indexes=[0])
     pipe = QwenImageEditPipeline(scheduler=scheduler, vae=vae, text_encoder=text_encoder, tokenizer=tok,
                                  processor=_qwen_vl_processor(tok), transformer=transformer)
     pipe.set_progress_bar_config(disable=True)

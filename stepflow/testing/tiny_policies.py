@@ -227,29 +227,44 @@ def build_tiny_qwen_image_pipeline(seed: int = 0):
     non-trivial per-channel ``latents_mean``/``latents_std``. Scheduler: Qwen-Image's config (dynamic exponential
     shift 0.5 .. 0.9 over 256 .. 8192 tokens, ``shift_terminal=0.02``).
     """
-    from diffusers import (
-        AutoencoderKLQwenImage,
-        FlowMatchEulerDiscreteScheduler,
-        QwenImagePipeline,
-        QwenImageTransformer2DModel,
-    )
-    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+    from diffusers import QwenImagePipeline
 
     tok = make_qwen_tokenizer()
-    ids = {t: tok.convert_tokens_to_ids(t) for t in _QWEN_SPECIAL + ["<|endoftext|>"]}
+    text_encoder, transformer, vae, scheduler = tiny_qwen_image_parts(tok, seed)
+    pipe = QwenImagePipeline(scheduler=scheduler, vae=vae, text_encoder=text_encoder, tokenizer=tok,
+                             transformer=transformer)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def tiny_qwen_image_parts(tok, seed: int = 0, *, max_position_embeddings: int = 1024,
+                          video_token: str = "<|image_pad|>", fullatt_block_indexes: list[int] | None = None):
+    """``(text_encoder, transformer, vae, scheduler)`` of the tiny Qwen-Image family (fp32, CPU), drawn in this order
+    after ``torch.manual_seed(seed)``: Qwen2.5-VL over ``tok`` (2 layers, hidden 32, M-RoPE sections (2, 3, 3), a
+    1-block vision tower: ``fullatt_block_indexes`` ``None`` keeps Qwen2.5-VL's default, which a 1-block tower never
+    reaches, i.e. window attention only), the 2-block transformer, the causal 3-D VAE with per-channel latent
+    mean/std, and Qwen-Image's scheduler. Qwen-Image and Qwen-Image-Edit (``stepflow.testing.tiny_edit``) share it;
+    the edit model's text encoder sees images, so it takes a longer context, its own video token and a full-attention
+    vision block."""
+    from diffusers import AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler, QwenImageTransformer2DModel
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    ids = {t: tok.convert_tokens_to_ids(t) for t in _QWEN_SPECIAL + ["<|endoftext|>", video_token]}
     torch.manual_seed(seed)
+    vision = {"depth": 1, "hidden_size": 16, "intermediate_size": 16, "num_heads": 2, "out_hidden_size": 2 * _CLIP_H}
+    if fullatt_block_indexes is not None:
+        vision["fullatt_block_indexes"] = list(fullatt_block_indexes)
     cfg = Qwen2_5_VLConfig(
         text_config={"hidden_size": 2 * _CLIP_H, "intermediate_size": 48, "num_hidden_layers": 2,
                      "num_attention_heads": 2, "num_key_value_heads": 2, "vocab_size": len(tok),
-                     "max_position_embeddings": 1024, "rope_theta": 1000000.0,
+                     "max_position_embeddings": max_position_embeddings, "rope_theta": 1000000.0,
                      "rope_scaling": {"mrope_section": [2, 3, 3], "rope_type": "default", "type": "default"},
                      "bos_token_id": ids["<|endoftext|>"], "eos_token_id": ids["<|im_end|>"],
                      "pad_token_id": ids["<|endoftext|>"]},
-        vision_config={"depth": 1, "hidden_size": 16, "intermediate_size": 16, "num_heads": 2,
-                       "out_hidden_size": 2 * _CLIP_H},
+        vision_config=vision,
         hidden_size=2 * _CLIP_H, vocab_size=len(tok), bos_token_id=ids["<|endoftext|>"], eos_token_id=ids["<|im_end|>"],
         vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],
-        vision_token_id=ids["<|image_pad|>"], image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|image_pad|>"])
+        vision_token_id=ids["<|image_pad|>"], image_token_id=ids["<|image_pad|>"], video_token_id=ids[video_token])
     text_encoder = Qwen2_5_VLForConditionalGeneration(cfg).eval()
     transformer = QwenImageTransformer2DModel(patch_size=2, in_channels=64, out_channels=16, num_layers=2,
                                               attention_head_dim=16, num_attention_heads=2,
@@ -263,10 +278,7 @@ def build_tiny_qwen_image_pipeline(seed: int = 0):
         num_train_timesteps=1000, shift=1.0, shift_terminal=0.02, stochastic_sampling=False,
         time_shift_type="exponential", use_beta_sigmas=False, use_dynamic_shifting=True, use_exponential_sigmas=False,
         use_karras_sigmas=False)
-    pipe = QwenImagePipeline(scheduler=scheduler, vae=vae, text_encoder=text_encoder, tokenizer=tok,
-                             transformer=transformer)
-    pipe.set_progress_bar_config(disable=True)
-    return pipe
+    return text_encoder, transformer, vae, scheduler
 
 
 # ---------------------------------------------------------------------------------------------------- saving, cache
