@@ -42,14 +42,14 @@ pretrain: install ## pretrain the embedded world's base model (docs/guide.md)
 # `make test-slow`: the `slow` ones; `make test-all` (CI, .ci/run): both.
 WORKERS ?= 2
 
-test: install ## every test but the slow ones (about 8 min)
+test: install ## every test but the slow ones (about 10-12 min)
 	$(VPY) -m pytest -q -n $(WORKERS) -m "not slow" $(ARGS)
 
 test-fast: test ## the same as make test
 
 # The multi-process tests (xdist_group "multiprocess": 2 ranks each) run one at a time on one worker, the
 # single-process slow tests beside them on the other
-test-slow: install ## the slow tests: DDP / FSDP2 / DeepSpeed on the CPU, signals, the wheel, goldens (about 17 min)
+test-slow: install ## the slow tests: DDP / FSDP2 / DeepSpeed on the CPU, signals, the wheel, goldens (about 16 min)
 	$(VPY) -m pytest -q -n $(WORKERS) --dist loadgroup -m "slow and not golden_full and not extended" $(ARGS)
 
 # every league recipe's first iteration at its own batch against tests/golden/league_it1.json (about 12 min on 2
@@ -59,7 +59,7 @@ test-golden: install ## every league recipe's first iteration at its own batch a
 
 # the longer variants outside CI's 30 minutes (pytest -m extended): the newer methods' 2-process, command-line and
 # small-golden runs, DDP cases beyond plain / tempflow, sampler x credit pairs beyond a covering set, the retain
-# benchmark's test, Qwen-Image-Edit's parity at its own 1024² sizing
+# benchmark's test and the retained-graph memory measurement, Qwen-Image-Edit's parity at its own 1024² sizing
 test-extended: install ## the longer variants outside CI: more DDP cases, the newer methods' CLI runs and goldens (~20-30 min, from its parts' durations)
 	$(VPY) -m pytest -q -n $(WORKERS) --dist loadgroup -m extended $(ARGS)
 

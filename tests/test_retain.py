@@ -293,6 +293,7 @@ def _glibc() -> bool:
 
 
 @pytest.mark.slow
+@pytest.mark.extended  # two 3-iteration mini_allsteps runs (~110 s on a loaded CI machine): make test-extended
 @pytest.mark.skipif(not _glibc(), reason="glibc's malloc")
 def test_the_memory_the_backward_frees_is_the_next_rollouts(tmp_path, run_module):
     """The kept graphs' activations, freed together by the update's backward, are the next iteration's rollout and
