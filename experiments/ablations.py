@@ -273,10 +273,32 @@ def planned_config(experiment: str, overrides: Sequence[str], compose=None) -> d
 
 def config_mismatch(stored: dict[str, Any], planned: dict[str, Any]) -> list[str]:
     """Keys present in both configs whose values differ (``seed``, ``loop.seed`` and :data:`IGNORED_KEYS` ignored).
-    Keys only one side has (a default added to train.yaml later) do not count."""
+    Keys only one side has (a default added to train.yaml later) do not count; a ``_target_`` compares the class or
+    function it names, not its dotted path (a part moved to another module, or named through a re-export, is the
+    same part)."""
     a, b = report.flatten(stored), report.flatten(planned)
     return sorted(k for k in a.keys() & b.keys()
-                  if k not in report.SEED_KEYS and k not in IGNORED_KEYS and _norm(a[k]) != _norm(b[k]))
+                  if k not in report.SEED_KEYS and k not in IGNORED_KEYS and _differ(k, a[k], b[k]))
+
+
+def _differ(key: str, a: Any, b: Any) -> bool:
+    if key == "_target_" or key.endswith("._target_"):
+        return a != b and _target(a) != _target(b)
+    return _norm(a) != _norm(b)
+
+
+def _target(path: Any) -> Any:
+    """The object a ``_target_`` names, as ``module.qualname`` of where it is defined (the path itself where it does
+    not import)."""
+    if not isinstance(path, str):
+        return path
+    try:
+        from hydra.utils import get_object
+
+        obj = get_object(path)
+    except Exception:  # noqa: BLE001  (a stored path that no longer imports is compared as written)
+        return path
+    return f"{getattr(obj, '__module__', '')}.{getattr(obj, '__qualname__', path)}"
 
 
 def _norm(v: Any) -> Any:

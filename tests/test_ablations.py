@@ -452,6 +452,23 @@ def test_settings_that_only_change_speed_do_not_make_a_run_stale():
     assert ablations.config_mismatch(a, b) == ["loop.substeps"]
 
 
+def test_a_target_named_through_another_path_is_the_same_part():
+    """A stored ``_target_`` that names the same class through another module path (a re-export, a moved part) does
+    not make a run stale; a different class does, and so does a path that no longer imports."""
+    import stepflow.rewards.base as rb
+
+    cls = rb.Reward
+    here = f"{cls.__module__}.{cls.__qualname__}"
+    alias = next((f"{m}.{cls.__name__}" for m in ("stepflow.rewards", "stepflow") if
+                  getattr(__import__(m, fromlist=["_"]), cls.__name__, None) is cls), None)
+    assert alias is not None and alias != here, "no re-export of Reward to test with"
+    assert ablations.config_mismatch({"reward": {"_target_": here}}, {"reward": {"_target_": alias}}) == []
+    assert ablations.config_mismatch({"reward": {"_target_": "collections.OrderedDict"}},
+                                     {"reward": {"_target_": here}}) == ["reward._target_"]
+    assert ablations.config_mismatch({"reward": {"_target_": "stepflow.nowhere.Reward"}},
+                                     {"reward": {"_target_": here}}) == ["reward._target_"]
+
+
 def test_report_plots_the_per_step_weights_of_auto_runs(tmp_path):
     """Runs that log train/weight_step{k} get a stacked per-step weight plot, averaged over seeds."""
     abl = tmp_path / "sweep" / "auto"
