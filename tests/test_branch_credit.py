@@ -379,3 +379,49 @@ def test_shape_and_value_checks():
         turning_point_rewards(torch.zeros(2), torch.zeros(2))
     with pytest.raises(ValueError, match="rewards"):
         g2rpo_advantages(torch.zeros(4, 2), torch.zeros(4))
+
+
+# ------------------------------------------------------------------------------ Granular-GRPO's completion, as released
+def _g2rpo_released_completion(velocity, z, eta_step, sigma_schedule, g):
+    """bcmi/Granular-GRPO@ef6ec9f fastvideo/train_g2rpo_hps.py, ``sample_reference_model``'s loop over
+    ``granular_list`` with ``run_ode_sample_step`` and ``flow_grpo_step`` at eta 0: the schedule is
+    ``cat(σ[:eta_step+2], σ[eta_step+2::g])``, the Euler loop runs ``range(eta_step+1, len-1)`` and the image is the
+    x̂0 (``latents - sigma * model_output``) of its last evaluation. ``z``: the SDE step's output at σ[eta_step+1]."""
+    schedule = torch.cat((sigma_schedule[:eta_step + 2], sigma_schedule[eta_step + 2::g]))
+    pred_original = None
+    for i in range(eta_step + 1, len(schedule) - 1):
+        sigma, sigma_prev = schedule[i], schedule[i + 1]
+        out = velocity(z, sigma)
+        pred_original = z - sigma * out
+        z = z + out * (sigma_prev - sigma)  # prev_sample_mean with std_dev_t = 0
+    return pred_original
+
+
+@pytest.mark.parametrize("k", [0, 1, 2, 3, 4])
+@pytest.mark.parametrize("g", [1, 2, 3])
+def test_g2rpo_completes_each_branch_as_released(k, g):
+    """The g2rpo credit's branch completion (``advantage.jump_last`` true, its default) gives the released image at
+    every trained step and stride of the league's 10-step grid, where the stride misses 0 too (odd k at g = 2); the
+    rule that visits the suffix's last time first does not, there."""
+    from stepflow.core.branch import complete, completion_grid
+    from stepflow.credits.g2rpo import G2rpo
+
+    def velocity(x, t):
+        t = torch.as_tensor(t, dtype=torch.float32)
+        return torch.sin(3.0 * x) * (1.0 + t) - 0.5 * t * x + 0.2
+
+    class Field:
+        def velocity(self, x, t, cond, guidance=1.0):
+            return velocity(x, t)
+
+    credit = G2rpo(branches=1, granularities=[1, 2])
+    strategy = credit.rollout_strategy()
+    assert credit.jump_last is True and strategy.jump_last is True
+    sigmas = torch.linspace(1, 0, 11)
+    z = torch.randn(3, 4, generator=torch.Generator().manual_seed(k * 10 + g))
+    want = _g2rpo_released_completion(velocity, z.clone(), k, sigmas, g)
+    ours = complete(Field(), z.clone(), sigmas[k + 1], completion_grid(sigmas, k, g, strategy.jump_last), None)
+    torch.testing.assert_close(ours, want, atol=1e-6, rtol=1e-6)
+    misses_zero = float(sigmas[k + 2::g][-1]) != 0.0
+    visited = complete(Field(), z.clone(), sigmas[k + 1], completion_grid(sigmas, k, g, False), None)
+    assert torch.allclose(visited, want, atol=1e-6) != misses_zero

@@ -59,9 +59,10 @@ def _euler(pol, x, times, cond, start):
     return x
 
 
-def _hand_branches(m, plan, k_br, steps, grans=(1,)):
+def _hand_branches(m, plan, k_br, steps, grans=(1,), jump_last=False):
     """For each row i, branch j, step k, granularity g: (X_{k+1}, log-prob under torch's Normal, reward of the image
-    completed on σ[k+2::g] + 0), with the anchor an Euler loop from the row's initial noise."""
+    completed on σ[k+2::g] + 0; ``jump_last``: a suffix that misses 0 has its last time replaced by 0, as Granular-GRPO
+    releases it), with the anchor an Euler loop from the row's initial noise."""
     lr = m.learner
     pol, times = lr.policy, lr.grid()
     out = {}
@@ -80,7 +81,9 @@ def _hand_branches(m, plan, k_br, steps, grans=(1,)):
                 lp = Normal(mean, std).log_prob(nxt).flatten(1).mean(1)
                 for g in grans:
                     sub = list(times[k + 2::g])
-                    if not sub or float(sub[-1]) != 0.0:
+                    if sub and float(sub[-1]) != 0.0 and jump_last:
+                        sub[-1] = times[-1]
+                    elif not sub or float(sub[-1]) != 0.0:
                         sub.append(times[-1])
                     grid = torch.stack([times[k + 1], *sub])
                     fin = _euler(pol, nxt, grid, cond, 0)
@@ -244,7 +247,7 @@ def test_g2rpo_advantages_sum_granularities_and_each_step_takes_its_own_optimize
         for p, s in zip(params, start):
             p.copy_(s)
     plan = lr.plan.plan(0)
-    hand = _hand_branches(m, plan, 1, [0, 1], grans=(1, 2))
+    hand = _hand_branches(m, plan, 1, [0, 1], grans=(1, 2), jump_last=True)
     traj, adv = seen["traj"], seen["adv"]
     for s, k in enumerate([0, 1]):
         want = sum(_colnorm(hand[(k, 0, g)][2], plan.group_ids, 1e-8, 1) for g in (1, 2)).clamp(-5, 5)

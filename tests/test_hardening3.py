@@ -152,8 +152,10 @@ def test_an_overflowing_objective_stops_the_run(tmp_path, cli):
      "window.post_compress_ratio: must be a float > 0 and at most 1"),
     (["advantage=g2rpo", "advantage.granularities=[50,60]"], "advantage.granularities: stride 60 completes every "
      "trained step [1, 2] of the 4-step grid as stride 50 does"),
-    (["advantage=g2rpo", "advantage.granularities=[1,2]"], "only the strides [1] differ: choose among them (e.g. "
-     "advantage.granularities=[1])"),  # step 0 is noise-free here: on steps 1, 2 of 4 every stride is one jump
+    (["advantage=g2rpo", "advantage.granularities=[1,2]", "advantage.jump_last=false"], "only the strides [1] differ: "
+     "choose among them (e.g. advantage.granularities=[1])"),  # step 0 is noise-free here: on steps 1, 2 of 4 every
+    # stride is one jump when the suffix's last time is visited first (with the released jump_last, stride 2 at step 1
+    # jumps from τ_2 to 0 where stride 1 visits τ_3: test_granularities_that_complete_differently_pass)
     (["advantage=g2rpo", "sampler=flow_sde", "advantage.granularities=[1,3,9]"], "advantage.granularities: stride 9 "
      "completes every trained step [0, 1, 2] of the 4-step grid as stride 3 does"),
 ])
@@ -164,6 +166,7 @@ def test_nonsense_that_was_accepted_is_refused(overrides, needle):
 def test_granularities_that_complete_differently_pass():
     _settings("experiment=smoke", "advantage=g2rpo", "sampler=flow_sde", "advantage.granularities=[1,2]")
     _settings("experiment=smoke", "advantage=g2rpo", "advantage.granularities=[1]")  # what the refusal suggests
+    _settings("experiment=smoke", "advantage=g2rpo", "advantage.granularities=[1,2]")  # jump_last: τ_2 -> 0 at step 1
     _settings("experiment=league/g2rpo")
 
 

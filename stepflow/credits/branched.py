@@ -14,10 +14,14 @@ __all__ = ["BranchCredit"]
 
 class BranchCredit(Credit):
     """Shared by tempflow and g2rpo: ``branches`` K SDE branches per rollout row at every trained step, completed by
-    the ODE at each of ``granularities`` (Euler strides); :meth:`branch_advantages` (B, K, S, G) -> (B, K, S)."""
+    the ODE at each of ``granularities`` (Euler strides); :meth:`branch_advantages` (B, K, S, G) -> (B, K, S).
+    ``jump_last``: a completion whose stride misses τ_T = 0 ends with an Euler step to 0 from the suffix's second-last
+    time (FastVideo's loop, as Granular-GRPO and E-GRPO release it) instead of visiting its last time first."""
 
-    def __init__(self, branches: int = 4, granularities: list[int] | None = None, **common):
+    def __init__(self, branches: int = 4, granularities: list[int] | None = None, jump_last: bool = False, **common):
         super().__init__(**common)
+        if not isinstance(jump_last, bool):
+            raise ValueError(f"jump_last: must be a bool, got {jump_last!r}")
         if not (isinstance(branches, int) and not isinstance(branches, bool) and branches >= 1):
             raise ValueError(f"branches: must be an integer >= 1, got {branches!r}")
         gran = list(granularities) if isinstance(granularities, (list, tuple)) else [1] if granularities is None else None
@@ -26,7 +30,7 @@ class BranchCredit(Credit):
         if self.completes_states:
             raise ValueError(f"reward_source: advantage={self.name} rewards its branches' ODE completions already; "
                              "leave advantage.reward_source=tweedie (its default)")
-        self.branches, self.granularities = branches, gran
+        self.branches, self.granularities, self.jump_last = branches, gran, jump_last
 
     def requirements(self, s) -> list[str]:
         """Every granularity completes some trained step on its own grid: a stride beyond the ``loop.num_steps`` grid
@@ -40,7 +44,7 @@ class BranchCredit(Credit):
         if len(self.granularities) < 2 or not steps:
             return []
         def completions(g: int) -> tuple:
-            return tuple(tuple(completion_grid(grid, k, g).tolist()) for k in steps)
+            return tuple(tuple(completion_grid(grid, k, g, self.jump_last).tolist()) for k in steps)
 
         distinct: dict[tuple, int] = {}
         for g in range(1, t):  # the strides that complete the trained steps differently on this grid
@@ -60,7 +64,7 @@ class BranchCredit(Credit):
     def rollout_strategy(self):
         from stepflow.rollouts.branches import BranchRollout
 
-        return BranchRollout(self.branches, tuple(self.granularities))
+        return BranchRollout(self.branches, tuple(self.granularities), jump_last=self.jump_last)
 
     def states_needed(self, trained, num_steps):
         return [num_steps]

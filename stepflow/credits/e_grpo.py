@@ -38,22 +38,20 @@ class MergedBranchRollout(BranchRollout):
 class EGrpo(G2rpo):
     """Fields: those of Granular-GRPO's credit (``branches`` per row, ``granularities``, ``eps``, ``unbiased_std``,
     ...), and ``merge``: one span m >= 1 per step of ``train.train_steps`` (the released ``eta_step_merge_list``;
-    null: every span 1, which is Granular-GRPO's rollout); ``jump_last``: the released completion's end (a stride that
-    misses τ_T = 0 ends with an Euler step to 0 from the suffix's second-last time; false: stepflow's Granular-GRPO
-    rule, which visits the suffix's last time first)."""
+    null: every span 1, which is Granular-GRPO's rollout); ``jump_last``: the released completion's end, as
+    Granular-GRPO's (a stride that misses τ_T = 0 ends with an Euler step to 0 from the suffix's second-last time;
+    false: the suffix's last time is visited first)."""
 
     name = "e_grpo"
 
     def __init__(self, merge: list[int] | None = None, jump_last: bool = True, **fields):
-        super().__init__(**fields)
+        super().__init__(jump_last=jump_last, **fields)
         ms = list(merge) if isinstance(merge, (list, tuple)) else None if merge is None else False
         if ms is False or (ms is not None and (not ms or any(not isinstance(m, int) or isinstance(m, bool) or m < 1
                                                              for m in ms))):
             raise ValueError(f"merge: must be null or a non-empty list of integers >= 1 (one span per step of "
                              f"train.train_steps), got {merge!r}")
-        if not isinstance(jump_last, bool):
-            raise ValueError(f"jump_last: must be a bool, got {jump_last!r}")
-        self.merge, self.jump_last = ms, jump_last
+        self.merge = ms
 
     def rollout_strategy(self):
         return MergedBranchRollout(self.branches, tuple(self.granularities),
