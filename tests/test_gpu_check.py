@@ -212,7 +212,7 @@ def test_random_config_composes_and_builds_tiny_and_full_size(name):
     assert pol.has_lora and pol.latent_shape == (16, 8, 8)
     cfg = compose_config("train", [f"model={name}", *RANDOM_TINY])
     assert set(cfg.lora.targets) == set(rf.lora_targets(model))  # recipe/<model>_random.yaml = the real recipe
-    full, _ = random_config_policies(name, "model.finetune=full")
+    full, _ = random_config_policies(name, "model.finetune=full", full_size=False)
     assert full.finetune == "full" and not full.has_lora
     # full size on the meta device: the YAML's defaults build the published model (no memory)
     assert base_parameters(big.transformer) == rf.param_counts(model)["transformer"]

@@ -54,7 +54,7 @@ def test_random_config_composes_and_builds_tiny_and_full_size(model):
     assert set(compose_config("train", [f"model={model}_random", *RANDOM_TINY]).lora.targets) == \
         set(rz.lora_targets(model))  # recipe/<model>_random.yaml = the real recipe
     assert set(compose_config("train", [f"model={model}"]).lora.targets) == set(rz.lora_targets(model))
-    full, _ = random_config_policies(f"{model}_random", "model.finetune=full")
+    full, _ = random_config_policies(f"{model}_random", "model.finetune=full", full_size=False)
     assert full.finetune == "full" and not full.has_lora
     assert base_parameters(big.transformer) == rz.param_counts(model)["transformer"]
     assert big.latent_shape == FULL[model][0]

@@ -253,14 +253,15 @@ def last_train_metrics(module) -> dict[str, float]:
 RANDOM_TINY = ("model.tiny=true", "model.dtype=float32", "model.device=cpu")
 
 
-def random_config_policies(name: str, *overrides: str):
+def random_config_policies(name: str, *overrides: str, full_size: bool = True):
     """``(tiny, big)``: ``model=<name>`` (a ``*_random`` config) built by the training CLI's own path
     (``stepflow.train.build_policy``: instantiate, then the lora group's adapter) at tiny size on the CPU, and at the
-    published size on the meta device (no memory); ``overrides`` go to the tiny one."""
+    published size on the meta device (no memory; ``None`` with ``full_size=False``); ``overrides`` go to the tiny
+    one."""
     from stepflow.train import build_policy
 
     tiny = build_policy(compose_config("train", [f"model={name}", *RANDOM_TINY, *overrides]))
-    big = build_policy(compose_config("train", [f"model={name}", "model.device=meta"]))
+    big = build_policy(compose_config("train", [f"model={name}", "model.device=meta"])) if full_size else None
     return tiny, big
 
 
