@@ -179,7 +179,8 @@ def test_merged_branch_and_completions_are_the_released_ones(k, m):
 
 def test_completion_ends_as_released_where_the_stride_misses_zero():
     """σ[k+m+1::2] that misses τ_T = 0: the released loop evaluates up to the suffix's second-last time and jumps to
-    0 from there (jump_last); stepflow's Granular-GRPO rule visits the last time too (one NFE more)."""
+    0 from there (jump_last, Granular-GRPO's release too); the rule that visits the last time first takes one NFE
+    more."""
     from stepflow.core.branch import completion_grid, completion_nfe
 
     times = torch.linspace(1, 0, 11)
