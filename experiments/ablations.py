@@ -292,13 +292,29 @@ def _target(path: Any) -> Any:
     not import)."""
     if not isinstance(path, str):
         return path
-    try:
-        from hydra.utils import get_object
-
-        obj = get_object(path)
-    except Exception:  # noqa: BLE001  (a stored path that no longer imports is compared as written)
+    obj = _import_quietly(path)
+    if obj is None:  # a stored path that no longer imports is compared as written
         return path
     return f"{getattr(obj, '__module__', '')}.{getattr(obj, '__qualname__', path)}"
+
+
+def _import_quietly(path: str) -> Any:
+    """The object at a dotted path, or None where it does not import (hydra's ``get_object`` logs each failure)."""
+    import importlib
+
+    parts = path.split(".")
+    for cut in range(len(parts), 0, -1):
+        try:
+            obj = importlib.import_module(".".join(parts[:cut]))
+        except Exception:  # noqa: BLE001  (any import failure: try a shorter module path)
+            continue
+        try:
+            for name in parts[cut:]:
+                obj = getattr(obj, name)
+        except AttributeError:
+            return None
+        return obj
+    return None
 
 
 def _norm(v: Any) -> Any:
