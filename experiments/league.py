@@ -29,6 +29,9 @@ Protocol (docs/league/report.md says it in full):
   same first initial noises, and every evaluation uses the same held-out prompts and noises (``eval.seed``); where a
   recipe breaks this (a category-balanced prompt list, ``loop.same_latent=false``), the report names it
   (:func:`pairing_exceptions`).
+- **The central claim's power**: the arms of each comparison of ``league_report.CENTRAL`` (gains vs uniform credit,
+  gains vs Flow-GRPO) get more seeds until the minimum detectable difference at their measured paired sd is at most
+  0.04 (:func:`decide_power`, at most ``max_seeds``; kept in ``<ledger>/seeds.json``).
 - **Claims arms**: the paper's claims tested as one-change variants of the default (step-0) and the every-step
   recipes, and the paper's recipe decomposed (:data:`DECOMPOSITION`), each with its parent method's chosen lr.
 
@@ -257,6 +260,10 @@ class Settings:
     max_extend: int = 2
     #: still rising: the mean held-out GenEval gained at least this over the last interval (and peaks at the end)
     rise_tol: float = 0.01
+    #: the central claim's power (:func:`decide_power`): the arms of each comparison of ``league_report.CENTRAL``
+    #: get more seeds until the minimum detectable difference at their measured paired sd is at most this (0: off)
+    power_target: float = 0.04
+    max_seeds: int = 20  #: ... but never more than this many seeds per arm
     #: per-method budgets set by hand (``--budget-for``); they take precedence over ``<ledger>/budgets.json``
     budget_for: dict[str, float] = field(default_factory=dict)
     methods: tuple[str, ...] = tuple(m.name for m in METHODS)
@@ -294,7 +301,7 @@ PAPER_BUDGET = 5e6
 
 def quick_settings() -> Settings:
     return Settings(budget=8_000.0, fractions=(1.0,), seeds=(0, 1), methods=QUICK_METHODS, claims=False, grid=False,
-                    out=OUT.parent / "league_quick", check=True, max_extend=0)
+                    out=OUT.parent / "league_quick", check=True, max_extend=0, power_target=0.0)
 
 
 # ---------------------------------------------------------------------------------------------------- where methods end
@@ -371,6 +378,71 @@ def decide_extensions(s: Settings, names: Sequence[str]) -> dict[str, float]:
         f.parent.mkdir(parents=True, exist_ok=True)
         f.write_text(json.dumps({**{k: v for k, v in done.items() if k not in s.budget_for}, **new}, indent=1,
                                 sort_keys=True) + "\n")
+    return new
+
+
+# ---------------------------------------------------------------------------------------------------- the claim's power
+SEEDS_FILE = "seeds.json"  #: in the ledger: {method: seeds} of the central claim's arms given more than ``s.seeds``
+
+
+def power_seeds(s: Settings) -> dict[str, int]:
+    """``{method: number of seeds}`` decided by :func:`decide_power` (``<ledger>/seeds.json``)."""
+    f = s.ledger / SEEDS_FILE if s.ledger is not None and s.power_target > 0 else None
+    if f is None or not f.is_file():
+        return {}
+    try:
+        raw = json.loads(f.read_text() or "{}")
+        return {str(k): int(v) for k, v in raw.items() if int(v) > 0}
+    except (ValueError, TypeError, AttributeError) as e:
+        note(f"{f}: not a {{method: number of seeds}} JSON object ({e}); every method at --seeds")
+        return {}
+
+
+def method_seeds(s: Settings, name: str) -> tuple[int, ...]:
+    """The seeds of ``name``'s table / claims runs: ``s.seeds``, then (where :func:`decide_power` gave it more) the
+    next integers after them that are not grid seeds."""
+    seeds = list(s.seeds)
+    want, nxt = power_seeds(s).get(name, 0), max(s.seeds, default=-1) + 1
+    while len(seeds) < want:
+        if nxt not in s.grid_seeds:
+            seeds.append(nxt)
+        nxt += 1
+    return tuple(seeds)
+
+
+def decide_power(s: Settings) -> dict[str, int]:
+    """Seeds for the central claim (item 4 of the league's protocol). For each comparison of
+    ``league_report.CENTRAL`` whose two arms are planned and have finished every planned seed at their planned
+    budget: the paired test at both arms' peaks gives the sd of the paired differences, and
+    ``league_report.seeds_for`` the seeds at which the minimum detectable difference (α 0.05, power 80 %) is at most
+    ``s.power_target``; an arm with fewer seeds gets that many (at most ``s.max_seeds``), written to
+    ``<ledger>/seeds.json``. Sequential: the sd is re-measured on the new seeds and may ask for more. Returns the new
+    counts (empty: nothing to add)."""
+    import league_report as lr
+
+    if s.ledger is None or s.power_target <= 0:
+        return {}
+    planned = set(s.methods) | ({m.name for m in CLAIM_ARMS if m.parent in s.methods} if s.claims else set())
+    rows, legacy = lr.select_protocol(collect(s), lambda m: method_budget(s, m))
+    data = lr.by_method(rows)
+    ended = {m: {int(r["seed"]) for r in rows if r["method"] == m and abs(float(r["fraction"]) - 1.0) < 1e-9}
+             for m in planned}
+    have = power_seeds(s)
+    new: dict[str, int] = {}
+    for a, b, _ in lr.CENTRAL:
+        if not {a, b} <= planned or {a, b} & legacy or any(not set(method_seeds(s, m)) <= ended[m] for m in (a, b)):
+            continue
+        t = lr.paired_test(data[a][lr.peak_budget(data[a])], data[b][lr.peak_budget(data[b])])
+        if t["n"] < 2 or not t["sd"] > 0:
+            continue
+        need = min(lr.seeds_for(t["sd"], s.power_target, n_max=s.max_seeds) or s.max_seeds, s.max_seeds)
+        for m in (a, b):
+            if need > max(len(method_seeds(s, m)), new.get(m, 0)):
+                new[m] = need
+    if new:
+        f = s.ledger / SEEDS_FILE
+        f.parent.mkdir(parents=True, exist_ok=True)
+        f.write_text(json.dumps({**have, **new}, indent=1, sort_keys=True) + "\n")
     return new
 
 
@@ -513,14 +585,14 @@ def plan(s: Settings, phases: Sequence[str], check_config: bool = True) -> list[
             for m in ms:
                 lr, b = chosen[m.name][0], method_budget(s, m.name)
                 ovr = run_overrides(m, lr, b, method_fractions(s, b), s)
-                runs += _runs("table", m, lr, s.seeds, ovr, s, compose, check_config)
+                runs += _runs("table", m, lr, method_seeds(s, m.name), ovr, s, compose, check_config)
         if "claims" in phases and s.claims:
             for m in CLAIM_ARMS:
                 if m.parent not in chosen:
                     continue
                 lr, b = chosen[m.parent][0], method_budget(s, m.name)
                 ovr = run_overrides(m, lr, b, method_fractions(s, b), s)
-                runs += _runs("claims", m, lr, s.seeds, ovr, s, compose, check_config)
+                runs += _runs("claims", m, lr, method_seeds(s, m.name), ovr, s, compose, check_config)
     return runs
 
 
@@ -1215,6 +1287,13 @@ def main(argv: Sequence[str] | None = None) -> int:
                           + f" (kept in {s.ledger / BUDGETS_FILE})")
                     tried = {t for t in tried if not any(f"{os.sep}{ph}{os.sep}{k}{os.sep}" in t for k in new)}
                     queue.insert(0, ph)
+                    continue
+                more = decide_power(s)
+                if more:
+                    print(f"[league] the central claim's power (detectable difference <= {s.power_target:g} at the "
+                          f"measured paired sd, at most {s.max_seeds} seeds): " + ", ".join(
+                              f"{k} -> {v} seeds" for k, v in more.items()) + f" (kept in {s.ledger / SEEDS_FILE})")
+                    queue[:0] = [p for p in ("table", "claims") if p in phases and p not in queue]
         if a.dry_run:
             return 0
     import league_report  # experiments/league_report.py

@@ -404,7 +404,7 @@ def write_report(s, docs: Path, readme: Path | None = None) -> Path:
       f"of any training reward). League runs add `{' '.join(league.LEAGUE_OVERRIDES)}`: no final-image rollouts that "
       f"only fed the training-reward log (they spent 11.7 % of the default's 30,000-NFE budget), no evaluation grids "
       f"and evaluation batches of 64 (the same images as 128, in 0.75–0.81× the time on this CPU). Seeds "
-      f"{', '.join(map(str, s.seeds))} for every method; each method's lr chosen on {{lr/3, lr, 3·lr}} to "
+      f"{', '.join(map(str, s.seeds))} for every method (the central claim's arms more: see its section); each method's lr chosen on {{lr/3, lr, 3·lr}} to "
       f"{s.grid_budget_fraction:g} of the budget with seeds {', '.join(map(str, s.grid_seeds))} by its *peak* (the "
       f"largest mean held-out GenEval over the grid seeds at one budget point, the criterion of the table below), "
       f"the grid extended by ×3 or ÷3 while the best lr is at an edge, up to {s.grid_extend} times "
@@ -605,7 +605,7 @@ def write_report(s, docs: Path, readme: Path | None = None) -> Path:
     if not s.claims:
         w("## The paper's claims\n\nNot tested here (their arms run in `make league`).\n")
     else:
-        _central(w, data, n_seeds)
+        _central(w, s, data, n_seeds)
         _claims(w, data, budgets, mdd)
 
     # ---- figures
@@ -729,11 +729,20 @@ CENTRAL = (
 )
 
 
-def _central(w, data, n_seeds: int, target: float = 0.04) -> None:
+def _central(w, s, data, n_seeds: int, target: float = 0.04) -> None:
     """The central claim with its power: each comparison of :data:`CENTRAL` at both methods' peaks, the minimum
     detectable difference at the seeds measured (from the measured paired sd) and the seeds that bring it to
     ``target``; Holm over the family."""
+    import league
+
     w("## The central claim at each method's peak, with its power\n")
+    more = league.power_seeds(s)
+    w(f"The arms of these comparisons get more seeds than the table's {n_seeds} until the detectable difference at "
+      f"their measured paired sd is at most {target} (at most {s.max_seeds} seeds; `make league` decides it once both "
+      f"arms have finished, runs the seeds and measures again, keeping the counts in `{league.SEEDS_FILE}` beside "
+      "this report): " + (", ".join(f"{k} {v} seeds" for k, v in sorted(more.items())) if more else
+                          "none given more yet") + ". The seed count is chosen from the spread of the differences, never from their mean (an internal-pilot "
+      "design), so the t-test's level holds up to a small excess at pilots of 5 seeds.\n")
     w(f"Each row pairs the two methods' values at their own peaks over the seeds both have; the detectable "
       f"difference is that of a paired t-test (α = {ALPHA}, power {POWER:.0%}) at the measured sd of the paired "
       f"differences and the seeds measured; 'seeds for ≤ {target}' is the count that would bring it to {target}. "

@@ -505,6 +505,72 @@ def test_a_flat_or_falling_method_is_not_extended(tmp_path):
     assert league.decide_extensions(s, ["default"]) == {}
 
 
+def test_the_central_claims_arms_get_the_seeds_its_power_needs(tmp_path):
+    """Item 4 of the protocol: a comparison of ``CENTRAL`` whose arms have finished gets, for both arms, the seeds at
+    which the detectable difference at the measured paired sd (each arm at its own peak) is <= 0.04; they are kept in
+    the ledger, planned after the table's seeds (skipping grid seeds), capped, and re-decided only when they ran."""
+    import statistics
+
+    assert ("allsteps", "uniform_guard") in {(a, b) for a, b, _ in lr.CENTRAL}
+    s = league.Settings(budget=1000, fractions=(0.5, 1.0), seeds=(0, 1, 2), grid_seeds=(4,),
+                        methods=("allsteps", "uniform_guard"), grid=False, claims=False, out=tmp_path / "out",
+                        ledger=tmp_path / "docs")
+    curves = {"allsteps": [(0.40, 0.46), (0.41, 0.44), (0.42, 0.49)],        # peak at 1000
+              "uniform_guard": [(0.43, 0.41), (0.44, 0.43), (0.45, 0.42)]}  # peak at 500
+    for m, per_seed in curves.items():
+        for seed, (g1, g2) in enumerate(per_seed):
+            fake_run(s.out / "table" / m / f"seed={seed}", 1e-3, [(3, 510, g1), (6, 1010, g2)], 1000, [0.5, 1.0],
+                     seed)
+    diffs = [a[1] - b[0] for a, b in zip(curves["allsteps"], curves["uniform_guard"])]  # each at its own peak
+    need = lr.seeds_for(statistics.stdev(diffs), 0.04)
+    assert need == 5 and lr.seeds_for(statistics.stdev([a[1] - b[1] for a, b in zip(*curves.values())]), 0.04) != 5
+    assert league.decide_power(s) == {"allsteps": 5, "uniform_guard": 5}
+    assert json.loads((s.ledger / "seeds.json").read_text()) == {"allsteps": 5, "uniform_guard": 5}
+    assert league.method_seeds(s, "allsteps") == (0, 1, 2, 3, 5) and league.method_seeds(s, "default") == (0, 1, 2)
+    runs = league.plan(s, ["table"], check_config=False)
+    assert sorted((r.method.name, r.seed, r.status) for r in runs if r.status != "finished") == \
+        [(m, seed, "missing") for m in ("allsteps", "uniform_guard") for seed in (3, 5)]
+    assert league.decide_power(s) == {}  # the new seeds have not run: no new decision
+    s.max_seeds = 4
+    (s.ledger / "seeds.json").unlink()
+    assert league.decide_power(s) == {"allsteps": 4, "uniform_guard": 4}  # capped
+    s.power_target = 0.0  # off (make league-quick)
+    assert league.decide_power(s) == {} and league.method_seeds(s, "allsteps") == (0, 1, 2)
+
+
+def test_the_league_runs_the_seeds_its_power_asks_for_and_stops(tmp_path, monkeypatch):
+    """The run loop: after the table, the central comparison's arms get more seeds, the table is planned again and
+    runs them, and the loop ends once the re-measured sd asks for no more (here a stand-in for stepflow.train writes
+    each run's evaluations: gains ahead of uniform credit by 0.06 on even seeds, 0.00 on odd ones)."""
+    ran: list[tuple[str, int]] = []
+
+    def fake_pool(runs, jobs, env, prefix=(), s=None):  # noqa: ARG001
+        for r in runs:
+            fr = league.planned_fractions(r.overrides)
+            gap = 0.06 if r.seed % 2 == 0 else 0.0
+            top = 0.40 + 0.01 * r.seed + (gap if r.method.name == "allsteps" else 0.0)
+            fake_run(r.run_dir, 1e-3, [(i + 1, 1001 * f, top - 0.1 * abs(f - 0.5)) for i, f in enumerate(fr)], 1000, fr,
+                     r.seed)  # peaked at half the budget: not extended
+            ran.append((r.method.name, r.seed))
+        return [0] * len(runs)
+
+    monkeypatch.setattr(league, "run_pool", fake_pool)
+    monkeypatch.setattr(league, "restore_archive", lambda s: None)
+    monkeypatch.setattr(league, "sync_archive", lambda s: None)
+    monkeypatch.setattr(lr, "write_report", lambda s, docs, readme=None: docs / "report.md")
+    docs = tmp_path / "docs"
+    assert league.main(["--phase", "table", "--methods", "allsteps,uniform_guard", "--no-grid", "--no-claims",
+                        "--seeds", "0,1,2", "--budget", "1000", "--out", str(tmp_path / "out"), "--docs", str(docs)]) == 0
+    n = json.loads((docs / "seeds.json").read_text())
+    assert n["allsteps"] == n["uniform_guard"] > 3
+    assert sorted(ran) == sorted((m, seed) for m in ("allsteps", "uniform_guard") for seed in range(n["allsteps"]))
+    diffs = [0.06 if seed % 2 == 0 else 0.0 for seed in range(n["allsteps"])]
+    import statistics
+
+    assert lr.seeds_for(statistics.stdev(diffs), 0.04) <= n["allsteps"]  # it stopped where the power was reached
+    assert lr.seeds_for(statistics.stdev(diffs[:3]), 0.04) <= n["allsteps"]
+
+
 def test_budget_for_refuses_unknown_methods_and_small_budgets(capsys):
     for bad in ("bogus=240000", "flow_grpo=1000", "flow_grpo"):
         with pytest.raises(SystemExit) as e:
