@@ -314,6 +314,63 @@ def peak_rows(rows: Sequence[dict[str, Any]], methods: Sequence[str]) -> list[di
     return sorted(out, key=lambda r: -r["peak"][0] if not math.isnan(r["peak"][0]) else math.inf)
 
 
+#: ``make train``'s limit and what its run spends outside training (an idle 2-core machine, the default measured to
+#: 7,500 NFEs: about 13 s of start-up, about 17 s per held-out evaluation at batch 64), with ``make train``'s four
+#: evaluations (before training and at 1/4, 1/2 and all of its budget)
+TRAIN_LIMIT_S, TRAIN_START_S, TRAIN_EVAL_S, TRAIN_EVALS = 420.0, 13.0, 17.0, 4
+
+
+def train_recipes(rows: Sequence[dict[str, Any]], methods: Sequence[str], limit_s: float = TRAIN_LIMIT_S,
+                  most: int = 5) -> list[dict[str, Any]]:
+    """Candidates for ``make train`` (item 6): every (method, budget point) whose mean training seconds in the league
+    (one torch thread, two runs on 2 cores) plus ``make train``'s start-up and evaluations fit in ``limit_s``, best
+    mean held-out GenEval first (of equal means the cheaper), at most ``most`` and one per method: ``{method, budget,
+    geneval: (mean, half, n), seconds, wall, end, drop}`` where ``drop`` is the paired test of this point minus the
+    method's end (what training on to the end of its league budget loses)."""
+    import report
+
+    data = by_method(rows)
+    best: dict[str, dict[str, Any]] = {}
+    for m in methods:
+        for b, per_seed in sorted(data.get(m, {}).items()):
+            vals = [float(v) for v in per_seed.values() if not math.isnan(float(v))]
+            sec = _mean_at(rows, m, b, "seconds")
+            if not vals or math.isnan(sec):
+                continue
+            wall = sec + TRAIN_START_S + TRAIN_EVALS * TRAIN_EVAL_S
+            mean = sum(vals) / len(vals)
+            if wall > limit_s or (m in best and (best[m]["geneval"][0], -best[m]["wall"]) >= (mean, -wall)):
+                continue
+            end = max(k for k, v in data[m].items() if v)
+            best[m] = {"method": m, "budget": int(b), "geneval": report.mean_ci(vals), "seconds": sec, "wall": wall,
+                       "end_budget": end, "end": report.mean_ci(list(data[m][end].values())),
+                       "drop": paired_test(per_seed, data[m][end])}
+    return sorted(best.values(), key=lambda r: (-r["geneval"][0], r["wall"]))[:most]
+
+
+def _train_recipe(w, rows, order, dag) -> None:
+    w(f"## `make train`'s recipe: the best held-out GenEval within {TRAIN_LIMIT_S / 60:.0f} minutes\n")
+    w(f"Each method's best budget point whose training seconds in the league plus `make train`'s start-up "
+      f"({TRAIN_START_S:.0f} s) and {TRAIN_EVALS} held-out evaluations ({TRAIN_EVAL_S:.0f} s each, measured on the "
+      f"idle 2-core machine) fit in {TRAIN_LIMIT_S:.0f} s; the league's seconds are one torch thread per run with two "
+      "runs sharing the 2 cores, so the estimate is for `make train` on 2 idle cores at one thread. The drop is what "
+      "training on to the end of the method's league budget loses (paired over seeds). `make train` "
+      "(`experiment=league_best`) is the first row, re-measured on the idle machine (docs/results.md).\n")
+    cands = train_recipes(rows, order)
+    if not cands:
+        w("No budget point fits yet.\n")
+        return
+    w("| method | budget | held-out GenEval | training seconds | estimated wall | end of its budget | drop to the end | "
+      "seeds |")
+    w("|---|---|---|---|---|---|---|---|")
+    for c in cands:
+        d = c["drop"]
+        drop = "—" if c["budget"] == c["end_budget"] else fmt(d["diff"], d["half"])
+        w(f"| {dag(c['method'])} | {c['budget']:,} | {fmt(*c['geneval'][:2])} | {c['seconds']:.0f} | {c['wall']:.0f} | "
+          f"{fmt(*c['end'][:2])} at {c['end_budget']:,} | {drop} | {c['geneval'][2]} |")
+    w("")
+
+
 def _drop(p: dict[str, Any]) -> str:
     """The drop from peak to end with its paired CI; "peak at the end" when they are one point."""
     if p["peak_budget"] is not None and p["peak_budget"] == p["end_budget"]:
@@ -480,6 +537,8 @@ def write_report(s, docs: Path, readme: Path | None = None) -> Path:
           f"{p['seeds']} | {lrs.get(m, '')} |")
     w("\nNFEs, seconds (training, 2 runs on 2 cores) and reward-model images are the means over seeds of what the "
       "runs had spent at the evaluation.\n")
+
+    _train_recipe(w, rows, league_methods, dag)
 
     # ---- every budget point
     w("## Held-out GenEval at each budget point, mean ± 95 % CI over seeds\n")

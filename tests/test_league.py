@@ -571,6 +571,23 @@ def test_the_league_runs_the_seeds_its_power_asks_for_and_stops(tmp_path, monkey
     assert lr.seeds_for(statistics.stdev(diffs[:3]), 0.04) <= n["allsteps"]
 
 
+def test_make_trains_recipe_is_the_best_point_that_fits_in_seven_minutes():
+    """Item 6: per method the best mean held-out GenEval among the points whose league training seconds plus make
+    train's start-up and four evaluations (13 + 4 x 17 = 81 s) fit in 420 s; of equal means the cheaper; the drop is
+    paired against the method's end."""
+    pts = {"a": [(1000, 100.0, (0.40, 0.42)), (2000, 300.0, (0.50, 0.52)), (3000, 400.0, (0.60, 0.60))],
+           "b": [(1000, 50.0, (0.45, 0.47)), (2000, 200.0, (0.45, 0.47))]}
+    rows = [{"method": m, "seed": seed, "budget": b, "geneval": g[seed], "seconds": sec + seed}
+            for m, p in pts.items() for b, sec, g in p for seed in (0, 1)]
+    got = lr.train_recipes(rows, ["a", "b"])
+    assert [(c["method"], c["budget"]) for c in got] == [("a", 2000), ("b", 1000)]  # a at 3000: 400.5 + 81 > 420
+    a, b = got
+    assert a["geneval"][0] == pytest.approx(0.51) and a["seconds"] == 300.5 and a["wall"] == pytest.approx(381.5)
+    assert a["end_budget"] == 3000 and a["drop"]["diff"] == pytest.approx(0.51 - 0.60) and a["drop"]["n"] == 2
+    assert b["end_budget"] == 2000 and b["drop"]["diff"] == pytest.approx(0.0)
+    assert lr.train_recipes(rows, ["a", "b"], limit_s=130) == [] and len(lr.train_recipes(rows, ["a", "b"], most=1)) == 1
+
+
 def test_budget_for_refuses_unknown_methods_and_small_budgets(capsys):
     for bad in ("bogus=240000", "flow_grpo=1000", "flow_grpo"):
         with pytest.raises(SystemExit) as e:
