@@ -588,6 +588,19 @@ def test_make_trains_recipe_is_the_best_point_that_fits_in_seven_minutes():
     assert lr.train_recipes(rows, ["a", "b"], limit_s=130) == [] and len(lr.train_recipes(rows, ["a", "b"], most=1)) == 1
 
 
+def test_one_panel_per_method_shows_geneval_beside_exact_scenes_and_extras(tmp_path):
+    s = league.Settings(out=tmp_path / "out")
+    rows = [{"method": m, "seed": seed, "fraction": f, "nfe": 1000 * f, "seconds": 10 * f, "iteration": 4 * f,
+             "geneval": 0.4 + 0.1 * f, "exact_scene": 0.3 - 0.1 * f, "extra_objects": 0.5 + 2 * f}
+            for m in ("default", "awm", "default_uniform") for seed in (0, 1) for f in (0.5, 1.0)]
+    assert lr.plot_methods(s, ["default", "awm", "default_uniform"], tmp_path / "m.png", rows)
+    from PIL import Image
+
+    w, h = Image.open(tmp_path / "m.png").size
+    assert w > 1000 and h > 150  # five columns, one row
+    assert not lr.plot_methods(s, ["nft"], tmp_path / "none.png", rows) and not (tmp_path / "none.png").exists()
+
+
 def test_budget_for_refuses_unknown_methods_and_small_budgets(capsys):
     for bad in ("bogus=240000", "flow_grpo=1000", "flow_grpo"):
         with pytest.raises(SystemExit) as e:
