@@ -124,6 +124,7 @@ def _resume_third(runs, run_dir: Path, trainer: str, *args: str) -> Path:
     import shutil
 
     shutil.copytree(runs(trainer, "lora"), run_dir)
+    shutil.rmtree(run_dir / "lora")  # written anew by the resumed run (compared by _same_adapter)
     ckpts = run_dir / "checkpoints"
     torch.load(ckpts / "iter_0002.ckpt", weights_only=True)  # nothing in it needs unpickling code
     for f in ckpts.glob("*.ckpt"):
@@ -138,7 +139,24 @@ def _resume_third(runs, run_dir: Path, trainer: str, *args: str) -> Path:
         w.writerows(r for r in rows if int(float(r["iteration"])) <= 2)
     _train(run_dir, "loop.iterations=3", f"trainer={trainer}", "callbacks.checkpoint.keep_every=1",
            f"ckpt_path={ckpts / 'last.ckpt'}", *args)
+    with (run_dir / "metrics.csv").open() as fh:  # it trained iteration 3 only (a checkpoint ignored would retrain
+        trained = [int(float(r["iteration"])) for r in csv.DictReader(fh) if r.get("train/reward_mean")]  # 1 to 3)
+    assert trained == [1, 2, 3], trained
     return run_dir
+
+
+def _same_adapter(got: Path, ref: Path) -> None:
+    """The (EMA) LoRA the resumed run wrote is the uninterrupted run's: its third update used the restored optimizer
+    state (Adam's moments; without them the step differs by about the lr), which no iteration-3 metric sees (they are
+    measured before that update)."""
+    from safetensors.torch import load_file
+
+    a = load_file(str(ref / "lora" / "pytorch_lora_weights.safetensors"))
+    b = load_file(str(got / "lora" / "pytorch_lora_weights.safetensors"))
+    assert a.keys() == b.keys() and len(a) > 0
+    moved = max(float(v.abs().max()) for k, v in a.items() if "lora_B" in k)
+    for k in a:
+        torch.testing.assert_close(b[k], a[k], rtol=1e-4, atol=1e-4 * moved)
 
 
 @pytest.mark.slow
@@ -148,6 +166,7 @@ def test_fsdp_resume_is_exact(runs, tmp_path):
     got, ref = metrics(_resume_third(runs, tmp_path / "two", "fsdp_cpu")), metrics(runs("fsdp_cpu", "lora"))
     for k in KEYS:
         assert float(got[3][k]) == pytest.approx(float(ref[3][k]), rel=1e-6, abs=1e-10), k
+    _same_adapter(tmp_path / "two", runs("fsdp_cpu", "lora"))
     # onto one process (trainer.devices may change on resume): the same weights and optimizer state, so the third
     # iteration is one process's from the same state
     assert 3 in metrics(_resume_third(runs, tmp_path / "one", "fsdp_cpu", "trainer.devices=1"))
@@ -160,6 +179,7 @@ def test_deepspeed_resume_is_exact(runs, tmp_path):
     got, ref = metrics(_resume_third(runs, tmp_path / "run", "deepspeed_cpu")), metrics(runs("deepspeed_cpu", "lora"))
     for k in KEYS:
         assert float(got[3][k]) == pytest.approx(float(ref[3][k]), rel=1e-5, abs=1e-10), k
+    _same_adapter(tmp_path / "run", runs("deepspeed_cpu", "lora"))
 
 
 @pytest.mark.slow
