@@ -1178,6 +1178,13 @@ def check_args(ap: argparse.ArgumentParser, a: argparse.Namespace, s: Settings) 
         s.methods = names
     if a.seeds is not None:
         s.seeds = ablations.int_list(ap, "--seeds", a.seeds)
+        s.power_target = 0.0  # the seeds named are the seeds run: no central-claim seeds added
+    if a.max_seeds is not None:
+        if a.max_seeds < 0:
+            ap.error(f"--max-seeds: must be an integer >= 0 (0: no seeds added for the central claim), got {a.max_seeds}")
+        s.max_seeds = a.max_seeds
+        if a.max_seeds <= len(s.seeds):
+            s.power_target = 0.0
     if a.budget is not None:
         if not (math.isfinite(a.budget) and a.budget * s.grid_budget_fraction >= 1):
             ap.error(f"--budget: must be a finite number of forward-equivalent NFEs >= {1 / s.grid_budget_fraction:g} "
@@ -1214,7 +1221,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--prefix", default="", help="a launcher for every run's command, e.g. 'srun -N1 --gpus-per-node 8'")
     ap.add_argument("--phase", default="all", choices=["base", "grid", "table", "claims", "all"])
     ap.add_argument("--methods", default=None, help="comma-separated method names (default: every league method)")
-    ap.add_argument("--seeds", default=None, help="comma-separated table seeds (default 0..4)")
+    ap.add_argument("--seeds", default=None, help="comma-separated table seeds (default 0..4; given, the central "
+                    "claim's arms get no more)")
+    ap.add_argument("--max-seeds", type=int, default=None,
+                    help="the most seeds the central claim's arms get for its power (default 20; 0: none added)")
     ap.add_argument("--budget", type=float, default=None, help="forward-equivalent NFEs per run (default 120000)")
     ap.add_argument("--budget-for", default=None,
                     help="per-method budgets, e.g. flow_grpo=240000,awm=180000 (else still-rising methods double, "

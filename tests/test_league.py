@@ -601,6 +601,21 @@ def test_one_panel_per_method_shows_geneval_beside_exact_scenes_and_extras(tmp_p
     assert not lr.plot_methods(s, ["nft"], tmp_path / "none.png", rows) and not (tmp_path / "none.png").exists()
 
 
+def test_named_seeds_or_max_seeds_0_add_no_seeds_and_a_bad_count_is_one_line(capsys, monkeypatch):
+    got = []
+    monkeypatch.setattr(league, "quarantine", lambda s, dry_run=False: got.append((s.power_target, s.max_seeds)))
+    monkeypatch.setattr(league, "plan", lambda s, phases, check_config=True: [])
+    monkeypatch.setattr(lr, "write_report", lambda s, docs, readme=None: docs / "report.md")
+    for argv, want in ((["--seeds", "0,1"], (0.0, 20)), (["--max-seeds", "0"], (0.0, 0)),
+                       (["--max-seeds", "12"], (0.04, 12)), ([], (0.04, 20))):
+        league.main(["--phase", "base", "--dry-run", *argv])
+        assert got.pop() == want, argv
+    with pytest.raises(SystemExit) as e:
+        league.main(["--max-seeds", "-1", "--dry-run"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "--max-seeds: must be an integer >= 0" in err and "Traceback" not in err
+
+
 def test_budget_for_refuses_unknown_methods_and_small_budgets(capsys):
     for bad in ("bogus=240000", "flow_grpo=1000", "flow_grpo"):
         with pytest.raises(SystemExit) as e:
