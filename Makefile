@@ -60,7 +60,7 @@ test-golden: install ## every league recipe's first iteration at its own batch a
 # the longer variants outside CI's 30 minutes (pytest -m extended): the newer methods' 2-process, command-line and
 # small-golden runs, DDP cases beyond plain / tempflow, sampler x credit pairs beyond a covering set, the retain
 # benchmark's test and the retained-graph memory measurement, Qwen-Image-Edit's parity at its own 1024² sizing
-test-extended: install ## the longer variants outside CI: more DDP cases, the newer methods' CLI runs and goldens (~20-30 min, from its parts' durations)
+test-extended: install ## the longer variants outside CI: more DDP cases, the newer methods' CLI runs and goldens (56 tests, 28 min beside two league runs)
 	$(VPY) -m pytest -q -n $(WORKERS) --dist loadgroup -m extended $(ARGS)
 
 test-all: test test-slow ## make test and make test-slow (what CI runs)
