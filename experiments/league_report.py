@@ -1059,13 +1059,15 @@ def plot_methods(s, methods: Sequence[str], path: Path, rows: Sequence[dict[str,
     import matplotlib.pyplot as plt
 
     base = league.base_scores(s).get("base", {})
-    top = max((p[2] for v in series.values() for p in v["extra_objects"]), default=1.0)
+    top = max((p[1] for v in series.values() for p in v["extra_objects"]), default=1.0)
     top = max(top, base.get("extra_objects", 0.0) if not math.isnan(base.get("extra_objects", math.nan)) else 0.0)
+    hi = min(1.0, max(0.8, *(p[1] + p[2] + 0.02 for v in series.values() for k in ("geneval", "exact_scene")
+                             for p in v[k])))  # GenEval and exact scenes share the left axis
     n = len(series)
     rows_n = -(-n // cols)
-    fig, axes = plt.subplots(rows_n, cols, figsize=(3.2 * cols, 2.5 * rows_n), sharex=True, sharey=True, squeeze=False)
+    fig, axes = plt.subplots(rows_n, cols, figsize=(3.2 * cols, 2.5 * rows_n), sharex=True, squeeze=False)
     table = {x.name for x in league.METHODS}
-    for ax, (m, by) in zip(axes.flat, series.items()):
+    for i, (ax, (m, by)) in enumerate(zip(axes.flat, series.items())):
         for key, colour, style in (("geneval", "tab:blue", "-"), ("exact_scene", "tab:green", "--")):
             pts = by[key]
             if not pts:
@@ -1077,9 +1079,9 @@ def plot_methods(s, methods: Sequence[str], path: Path, rows: Sequence[dict[str,
             if key in base and not math.isnan(base[key]):
                 ax.axhline(base[key], color=colour, lw=0.6, alpha=0.5)
         g = by["geneval"]
-        i = max(range(len(g)), key=lambda j: g[j][1])
-        ax.plot([g[i][0]], [g[i][1]], "*", color="black", ms=8)
-        ax.set_ylim(0, 1)
+        top_at = max(range(len(g)), key=lambda j: g[j][1])
+        ax.plot([g[top_at][0]], [g[top_at][1]], "*", color="black", ms=8)
+        ax.set_ylim(0, hi)
         ax.set_title(m + ("" if m in table else " (claims arm)"), fontsize=9)
         ax.grid(alpha=0.3)
         tw = ax.twinx()
@@ -1088,9 +1090,9 @@ def plot_methods(s, methods: Sequence[str], path: Path, rows: Sequence[dict[str,
             tw.plot([p[0] for p in ex], [p[1] for p in ex], ":", marker="s", ms=2, color="tab:red", lw=1.2)
         if not math.isnan(base.get("extra_objects", math.nan)):
             tw.axhline(base["extra_objects"], color="tab:red", lw=0.6, alpha=0.5)
-        tw.set_ylim(0, 1.1 * top + 1e-9)
-        tw.tick_params(labelsize=7, colors="tab:red")
-        ax.tick_params(labelsize=7)
+        tw.set_ylim(0, 1.1 * top + 1e-9)  # the same scales in every panel: left labels in the first column, right
+        tw.tick_params(labelsize=7, colors="tab:red", labelright=i % cols == cols - 1 or i == n - 1)  # in the last
+        ax.tick_params(labelsize=7, labelleft=i % cols == 0)
     for ax in axes.flat[n:]:
         ax.axis("off")
     for ax in axes[-1]:
