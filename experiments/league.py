@@ -509,9 +509,21 @@ def run_overrides(m: Method, lr: str, budget: float, fractions: Sequence[float],
             "eval.every=0", "eval.at_start=false", f"eval.at_fractions=[{fr}]", *LEAGUE_OVERRIDES, *s.extra]
 
 
+#: ``{method's overrides: its config's lr}``: composing a recipe takes about a second and a plan or report asks for
+#: every method's lr many times; cleared by :func:`forget_configs` where the config files may have changed since (each
+#: phase of a league run, each report)
+_LR_CACHE: dict[tuple[str, ...], float] = {}
+
+
 def configured_lr(m: Method, compose) -> float:
-    cfg = compose("train", m.base_overrides())
-    return float(cfg.train.lr)
+    key = tuple(m.base_overrides())
+    if key not in _LR_CACHE:
+        _LR_CACHE[key] = float(compose("train", list(key)).train.lr)
+    return _LR_CACHE[key]
+
+
+def forget_configs() -> None:
+    _LR_CACHE.clear()
 
 
 def chosen_lrs(s: Settings, compose) -> dict[str, tuple[str, str]]:
@@ -1182,9 +1194,8 @@ def check_args(ap: argparse.ArgumentParser, a: argparse.Namespace, s: Settings) 
     if a.max_seeds is not None:
         if a.max_seeds < 0:
             ap.error(f"--max-seeds: must be an integer >= 0 (0: no seeds added for the central claim), got {a.max_seeds}")
-        s.max_seeds = a.max_seeds
-        if a.max_seeds <= len(s.seeds):
-            s.power_target = 0.0
+        s.max_seeds = a.max_seeds  # named: seeds are added up to it, --seeds or not
+        s.power_target = Settings.power_target if a.max_seeds > len(s.seeds) else 0.0
     if a.budget is not None:
         if not (math.isfinite(a.budget) and a.budget * s.grid_budget_fraction >= 1):
             ap.error(f"--budget: must be a finite number of forward-equivalent NFEs >= {1 / s.grid_budget_fraction:g} "
@@ -1222,7 +1233,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--phase", default="all", choices=["base", "grid", "table", "claims", "all"])
     ap.add_argument("--methods", default=None, help="comma-separated method names (default: every league method)")
     ap.add_argument("--seeds", default=None, help="comma-separated table seeds (default 0..4; given, the central "
-                    "claim's arms get no more)")
+                    "claim's arms get no more unless --max-seeds is given too)")
     ap.add_argument("--max-seeds", type=int, default=None,
                     help="the most seeds the central claim's arms get for its power (default 20; 0: none added)")
     ap.add_argument("--budget", type=float, default=None, help="forward-equivalent NFEs per run (default 120000)")
@@ -1260,6 +1271,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         queue, tried = list(phases), set()
         while queue:  # the table's lr depends on the finished grid: plan each phase after the one before ran
             ph = queue.pop(0)
+            forget_configs()  # hours may have passed: read the recipes' files again
             try:
                 runs = plan(s, [ph])
             except Exception as e:  # noqa: BLE001 - a bad override or experiment: one line

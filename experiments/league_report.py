@@ -434,6 +434,7 @@ def write_report(s, docs: Path, readme: Path | None = None) -> Path:
     import report
 
     docs.mkdir(parents=True, exist_ok=True)
+    league.forget_configs()
     all_rows = league.collect(s)
     league.write_csv(all_rows, docs / "results.csv")
     grid_rows = league.collect(s, ("grid",))

@@ -560,7 +560,8 @@ def test_the_league_runs_the_seeds_its_power_asks_for_and_stops(tmp_path, monkey
     monkeypatch.setattr(lr, "write_report", lambda s, docs, readme=None: docs / "report.md")
     docs = tmp_path / "docs"
     assert league.main(["--phase", "table", "--methods", "allsteps,uniform_guard", "--no-grid", "--no-claims",
-                        "--seeds", "0,1,2", "--budget", "1000", "--out", str(tmp_path / "out"), "--docs", str(docs)]) == 0
+                        "--seeds", "0,1,2", "--max-seeds", "20", "--budget", "1000", "--out", str(tmp_path / "out"),
+                        "--docs", str(docs)]) == 0
     n = json.loads((docs / "seeds.json").read_text())
     assert n["allsteps"] == n["uniform_guard"] > 3
     assert sorted(ran) == sorted((m, seed) for m in ("allsteps", "uniform_guard") for seed in range(n["allsteps"]))
@@ -607,7 +608,8 @@ def test_named_seeds_or_max_seeds_0_add_no_seeds_and_a_bad_count_is_one_line(cap
     monkeypatch.setattr(league, "plan", lambda s, phases, check_config=True: [])
     monkeypatch.setattr(lr, "write_report", lambda s, docs, readme=None: docs / "report.md")
     for argv, want in ((["--seeds", "0,1"], (0.0, 20)), (["--max-seeds", "0"], (0.0, 0)),
-                       (["--max-seeds", "12"], (0.04, 12)), ([], (0.04, 20))):
+                       (["--max-seeds", "12"], (0.04, 12)), ([], (0.04, 20)),
+                       (["--seeds", "0,1", "--max-seeds", "12"], (0.04, 12)), (["--seeds", "0,1", "--max-seeds", "2"], (0.0, 2))):
         league.main(["--phase", "base", "--dry-run", *argv])
         assert got.pop() == want, argv
     with pytest.raises(SystemExit) as e:
