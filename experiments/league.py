@@ -308,19 +308,23 @@ def quick_settings() -> Settings:
 BUDGETS_FILE = "budgets.json"  #: in the ledger: {method: budget} of the methods whose budget was extended
 
 
+def _ledger_numbers(s: Settings, file: str, cast, what: str) -> dict:
+    """``{method: number}`` kept in ``<ledger>/<file>`` by a decision of the league (positive numbers only); an
+    unreadable file is noted (``what``: the setting every method then keeps) and read as empty."""
+    f = s.ledger / file if s.ledger is not None else None
+    if f is None or not f.is_file():
+        return {}
+    try:
+        raw = json.loads(f.read_text() or "{}")
+        return {str(k): cast(v) for k, v in raw.items() if cast(v) > 0}
+    except (ValueError, TypeError, AttributeError) as e:
+        note(f"{f}: not a {{method: number}} JSON object ({e}); every method at {what}")
+        return {}
+
+
 def extended_budgets(s: Settings) -> dict[str, float]:
     """``{method: budget}`` decided by :func:`decide_extensions` (``<ledger>/budgets.json``), then ``s.budget_for``."""
-    out: dict[str, float] = {}
-    f = s.ledger / BUDGETS_FILE if s.ledger is not None else None
-    if f is not None and f.is_file():
-        try:
-            raw = json.loads(f.read_text() or "{}")
-            out = {str(k): float(v) for k, v in raw.items() if float(v) > 0}
-        except (ValueError, TypeError, AttributeError) as e:
-            note(f"{f}: not a {{method: budget}} JSON object ({e}); every method at --budget")
-            out = {}
-    out.update(s.budget_for)
-    return out
+    return {**_ledger_numbers(s, BUDGETS_FILE, float, "--budget"), **s.budget_for}
 
 
 def method_budget(s: Settings, name: str) -> float:
@@ -387,15 +391,7 @@ SEEDS_FILE = "seeds.json"  #: in the ledger: {method: seeds} of the central clai
 
 def power_seeds(s: Settings) -> dict[str, int]:
     """``{method: number of seeds}`` decided by :func:`decide_power` (``<ledger>/seeds.json``)."""
-    f = s.ledger / SEEDS_FILE if s.ledger is not None and s.power_target > 0 else None
-    if f is None or not f.is_file():
-        return {}
-    try:
-        raw = json.loads(f.read_text() or "{}")
-        return {str(k): int(v) for k, v in raw.items() if int(v) > 0}
-    except (ValueError, TypeError, AttributeError) as e:
-        note(f"{f}: not a {{method: number of seeds}} JSON object ({e}); every method at --seeds")
-        return {}
+    return _ledger_numbers(s, SEEDS_FILE, int, "--seeds") if s.power_target > 0 else {}
 
 
 def method_seeds(s: Settings, name: str) -> tuple[int, ...]:

@@ -505,6 +505,24 @@ def test_a_flat_or_falling_method_is_not_extended(tmp_path):
     assert league.decide_extensions(s, ["default"]) == {}
 
 
+@pytest.mark.parametrize("text", ["[1, 2]", "{bad", '{"default": "many"}'])
+def test_an_unreadable_ledger_decision_is_noted_and_every_method_keeps_its_setting(tmp_path, capsys, text):
+    s = league.Settings(budget=1000, seeds=(0, 1), methods=("default",), grid=False, claims=False,
+                        out=tmp_path / "out", ledger=tmp_path / "docs", budget_for={"paper": 3000.0})
+    s.ledger.mkdir()
+    for f in ("budgets.json", "seeds.json"):
+        (s.ledger / f).write_text(text)
+    assert league.extended_budgets(s) == {"paper": 3000.0} and league.method_budget(s, "default") == 1000
+    assert league.power_seeds(s) == {} and league.method_seeds(s, "default") == (0, 1)
+    err = capsys.readouterr().err.splitlines()
+    for f, what in (("budgets.json", "--budget"), ("seeds.json", "--seeds")):
+        assert any(str(s.ledger / f) in line and line.endswith(f"every method at {what}") for line in err), err
+    (s.ledger / "budgets.json").write_text('{"default": 2000, "paper": 1500, "nft": 0}')
+    (s.ledger / "seeds.json").write_text('{"default": 3}')
+    assert league.extended_budgets(s) == {"default": 2000.0, "paper": 3000.0}  # by hand wins; 0 is no decision
+    assert league.method_seeds(s, "default") == (0, 1, 2)
+
+
 def test_the_central_claims_arms_get_the_seeds_its_power_needs(tmp_path):
     """Item 4 of the protocol: a comparison of ``CENTRAL`` whose arms have finished gets, for both arms, the seeds at
     which the detectable difference at the measured paired sd (each arm at its own peak) is <= 0.04; they are kept in
