@@ -246,9 +246,12 @@ def _fit(cfg: DictConfig, run_dir: Path, ckpt: Path | None):
         if stop.STOP.is_set() and not module.stop_reason:  # the signal came after the last iteration
             module.stop_reason, module.stop_signal = f"stopped by {stop.reason()} after iteration {module.iteration}", stop.reason()
     if module.stop_reason:
+        code = stop.EXIT_CODES.get(module.stop_signal or "", 2)
+        if module.stop_signal and module.global_rank > 0:  # the ranks stopped together: rank 0 says it, once
+            raise SystemExit(code)
         last = run_dir / "checkpoints" / "last.ckpt"
         where = f"; resume: {resume_command(last)}" if last.is_file() else "; no iteration finished, nothing to resume"
-        raise StepflowError(module.stop_reason + where, exit_code=stop.EXIT_CODES.get(module.stop_signal or "", 2))
+        raise StepflowError(module.stop_reason + where, exit_code=code)
     return module
 
 

@@ -137,6 +137,53 @@ def test_a_stop_between_iterations_leaves_the_run_unfinished_and_resumable(tmp_p
     assert (tmp_path / "checkpoints" / "last.ckpt").is_file()
 
 
+_AGREE = """
+import sys
+import torch.distributed as d
+import torch.multiprocessing as mp
+from stepflow.core import stop
+from stepflow.core.dist import Dist
+
+def work(rank, port, out, signalled):
+    d.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=3)
+    dist = Dist(rank=rank, world=3)
+    before = dist.stop_requested()  # nobody asked yet
+    for r, name in signalled:
+        if r == rank:
+            stop.request(name)
+    after = dist.stop_requested()
+    with open(f"{out}/{rank}", "w") as fh:
+        fh.write(f"{before} {after} {stop.reason()} {stop.EXIT_CODES.get(stop.reason(), 2)}")
+    d.destroy_process_group()
+
+if __name__ == "__main__":
+    signalled = [(int(r), n) for r, n in (a.split(":") for a in sys.argv[3:])]
+    mp.spawn(work, args=(int(sys.argv[1]), sys.argv[2], signalled), nprocs=3)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("signalled,want", [
+    (["1:SIGTERM"], ["SIGTERM 143"] * 3),                       # the signal reached one process: all say it
+    (["2:SIGINT"], ["SIGINT 130"] * 3),
+    (["0:SIGINT", "2:SIGTERM"], ["SIGINT 130", "SIGTERM 143", "SIGTERM 143"]),  # a signalled rank keeps its own
+])
+def test_every_rank_stops_with_the_signal_one_rank_received(tmp_path, signalled, want):
+    """The ranks agree to stop at a phase boundary (one collective); a rank the signal did not reach takes its name,
+    so each rank's reason and exit status name the signal (before: "stopped by stop requested", exit 2)."""
+    script = tmp_path / "agree.py"
+    script.write_text(_AGREE)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    r = subprocess.run([sys.executable, str(script), str(port), str(tmp_path), *signalled], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    got = [(tmp_path / str(rank)).read_text() for rank in range(3)]
+    assert got == [f"False True {w}" for w in want], got
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("sig,code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
 def test_a_signal_checkpoints_prints_the_resume_command_and_exits_non_zero(tmp_path, sig, code):

@@ -135,10 +135,11 @@ class Dist:
             torch.distributed.all_reduce(p.grad)
 
     def stop_requested(self) -> bool:
-        """Whether any rank was asked to stop (every rank must call it at the same point)."""
+        """Whether any rank was asked to stop (every rank must call it at the same point); every rank then holds the
+        same reason (the signal's name, though it reached one process)."""
         from stepflow.core import stop
 
-        return self.any(stop.STOP.is_set())
+        return stop.agree(int(self.all_max(stop.code())))
 
     @contextlib.contextmanager
     def accumulating(self):

@@ -13,7 +13,8 @@ import threading
 
 from stepflow.errors import StopRequested
 
-__all__ = ["STOP", "check", "wait", "request", "clear", "reason", "signals_handled", "reclaim", "EXIT_CODES"]
+__all__ = ["STOP", "check", "wait", "request", "clear", "reason", "code", "agree", "signals_handled", "reclaim",
+           "EXIT_CODES"]
 
 #: set once a stop was requested (signal handler or test); cleared by :func:`clear`
 STOP = threading.Event()
@@ -52,6 +53,24 @@ def wait(seconds: float) -> None:
 
 #: exit status of a run stopped by a signal (128 + signal number, as a shell reports it)
 EXIT_CODES = {"SIGINT": 130, "SIGTERM": 143}
+#: the reasons as numbers, for ranks to agree on one (:func:`code` / :func:`agree`); a later one wins
+_CODES = ("stop requested", "SIGINT", "SIGTERM")
+
+
+def code() -> int:
+    """This process's stop request as a number: 0 none, else 1 + its place in ``_CODES`` (an unknown reason: 1)."""
+    if not STOP.is_set():
+        return 0
+    r = reason()
+    return 1 + (_CODES.index(r) if r in _CODES else 0)
+
+
+def agree(shared: int) -> bool:
+    """``shared``: the largest :func:`code` over the ranks. A rank that was not asked to stop itself takes the reason
+    of one that was (the signal reaches one process, every rank reports it); returns whether the ranks stop."""
+    if shared > 0 and not STOP.is_set():
+        request(_CODES[min(int(shared), len(_CODES)) - 1])
+    return shared > 0
 
 
 @contextlib.contextmanager

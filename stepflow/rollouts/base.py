@@ -119,7 +119,7 @@ class RolloutStrategy:
 
 def stop_point(learner: Any) -> None:
     """A phase boundary: every rank agrees to go on or to stop (the same collective on every rank)."""
-    if learner.dist.any(stop.STOP.is_set()):
+    if learner.dist.stop_requested():
         raise StopRequested(stop.reason())
 
 
