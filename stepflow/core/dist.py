@@ -139,7 +139,7 @@ class Dist:
         same reason (the signal's name, though it reached one process)."""
         from stepflow.core import stop
 
-        return stop.agree(int(self.all_max(stop.code())))
+        return stop.agree(int(self.all_max_tensor(torch.tensor([float(stop.code())])).item()))
 
     @contextlib.contextmanager
     def accumulating(self):
