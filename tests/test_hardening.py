@@ -217,10 +217,13 @@ def test_sigterm_interrupts_a_hanging_reward_call(tmp_path, http_server):
         run_dir = tmp_path / "run"
         proc = _start(run_dir, "reward=remote", f"reward.url={server.url}",
                       "reward.timeout_s=600", "reward.max_retries=0", "reward.progress_every_s=1")
-        deadline = time.monotonic() + 120
-        while not (run_dir / "config.yaml").is_file() and time.monotonic() < deadline:
+        deadline = time.monotonic() + 300
+        while not server.calls and time.monotonic() < deadline and proc.poll() is None:
             time.sleep(0.2)
-        time.sleep(8)  # the run is now waiting on the first (evaluation) reward call
+        assert server.calls, "the run never called the reward service"
+        # the run is now waiting on the first (evaluation) reward call: its progress line comes every second (a fixed
+        # 8 s from config.yaml was not always enough on a loaded machine: the call had not been made yet)
+        time.sleep(5)
         t0 = time.monotonic()
         proc.send_signal(signal.SIGTERM)
         out, err = proc.communicate(timeout=60)
