@@ -47,8 +47,9 @@ test: install ## every test but the slow ones (about 10-12 min)
 
 test-fast: test ## the same as make test
 
-# The multi-process tests (xdist_group "multiprocess": 2 ranks each) run one at a time on one worker, the
-# single-process slow tests beside them on the other
+# The multi-process tests (2 ranks each) run one at a time per xdist group: "multiprocess" (the sharded runs that
+# share one module's runs) on one worker, "multiprocess2" (the SIGTERM and DDP-equals-one-process runs) on the other,
+# between the single-process slow tests (those run the CLI in the test's process where they can)
 test-slow: install ## the slow tests: DDP / FSDP2 / DeepSpeed on the CPU, signals, the wheel, goldens (about 16 min)
 	$(VPY) -m pytest -q -n $(WORKERS) --dist loadgroup -m "slow and not golden_full and not extended" $(ARGS)
 

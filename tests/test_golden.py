@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from stepflow.testing.harness import run_cli
+from stepflow.testing.harness import run_in_process
 
 GOLDEN = Path(__file__).resolve().parent / "golden" / "train_3it.json"
 ARGS = ["loop.iterations=3", "eval.every=0", "eval.max_prompts=48"]
@@ -27,7 +27,7 @@ def _compared(row: dict[str, str]) -> dict[str, float]:
 
 @pytest.mark.slow
 def test_default_recipe_matches_the_golden_metrics(tmp_path):
-    r = run_cli("stepflow.train", *ARGS, f"hydra.run.dir={tmp_path}", timeout=900)
+    r = run_in_process("stepflow.train", *ARGS, f"hydra.run.dir={tmp_path}")
     assert r.returncode == 0, r.stderr[-3000:]
     with (tmp_path / "metrics.csv").open() as fh:
         rows = [row for row in csv.DictReader(fh) if row.get("cost/nfe")]

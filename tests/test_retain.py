@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from stepflow.errors import StepflowError
-from stepflow.testing.harness import compose_config, run_cli
+from stepflow.testing.harness import compose_config, run_cli, run_in_process
 
 # adam_eps = 1, lr = 1: each Adam step is ~ the gradient itself, not its sign, so fp32 rounding in a gradient
 # element near 0 cannot flip a whole lr-sized step and the later iterations stay comparable
@@ -261,14 +261,14 @@ def test_saved_bytes_counts_what_autograd_saves():
 
 
 @pytest.mark.slow
-@pytest.mark.xdist_group("multiprocess")
+@pytest.mark.xdist_group("multiprocess2")
 def test_ddp_with_retain_takes_the_step_of_one_process_recomputing(tmp_path):
     """2-process DDP on the CPU with retain on takes the optimizer step that one process takes recomputing (the kept
     graphs are back-propagated on each rank and the gradients summed by the manual all-reduce)."""
     one, two = tmp_path / "one", tmp_path / "two"
     common = ["experiment=smoke", "reward=pickscore_tiny", "loop.iterations=1", "eval.max_prompts=2",
               "train.adam_eps=1.0", "train.lr=1.0", "train.max_grad_norm=0", *EVERY]
-    r1 = run_cli("stepflow.train", *common, f"hydra.run.dir={one}", timeout=240)
+    r1 = run_in_process("stepflow.train", *common, f"hydra.run.dir={one}")  # one process: no fresh interpreter
     assert r1.returncode == 0, r1.stderr[-3000:]
     r2 = run_cli("stepflow.train", *common, "loop.retain_graph=true", "trainer=ddp_cpu", f"hydra.run.dir={two}",
                  timeout=400)

@@ -21,10 +21,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from stepflow.testing.harness import ROOT, one_line_error, run_cli
+from stepflow.testing.harness import ROOT, one_line_error, run_cli, run_in_process
 
 # every multi-process test here is `slow` (make test-slow); the config refusals run in-process, in `make test`
-pytestmark = pytest.mark.xdist_group("multiprocess")  # make test-slow (--dist loadgroup): one at a time
+# make test-slow (--dist loadgroup): the tests sharing the module's runs one at a time on one worker; the SIGTERM test
+# (runs of its own) with the other 2-process tests on the other ("multiprocess2": tests/test_train_loop.py's DDP runs)
+pytestmark = pytest.mark.xdist_group("multiprocess")
 
 BASE = ["experiment=smoke", "model=sd3_tiny", "reward=pickscore_tiny", "train.beta_kl=0.04", "eval.max_prompts=3",
         "loop.prompts_per_iter=3", "train.micro_batch_size=2"]
@@ -37,8 +39,13 @@ def metrics(run_dir: Path) -> dict[int, dict[str, str]]:
         return {int(float(r["iteration"])): r for r in csv.DictReader(fh) if r.get("train/reward_mean")}
 
 
-def _train(run_dir: Path, *args: str, timeout: int = 500) -> subprocess.CompletedProcess:
-    r = run_cli("stepflow.train", *BASE, *args, f"hydra.run.dir={run_dir}", timeout=timeout)
+def _train(run_dir: Path, *args: str, timeout: int = 500):
+    """A run of the CLI: a subprocess for every trainer but the one-process ``trainer=cpu`` (in this process: the
+    same command, without a fresh interpreter's imports)."""
+    if "trainer=cpu" in args:
+        r = run_in_process("stepflow.train", *BASE, *args, f"hydra.run.dir={run_dir}")
+    else:
+        r = run_cli("stepflow.train", *BASE, *args, f"hydra.run.dir={run_dir}", timeout=timeout)
     assert r.returncode == 0, (r.stderr or r.stdout)[-3000:]
     return r
 
@@ -208,6 +215,7 @@ def test_torchrun_two_nodes_equal_one_node(runs, tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("multiprocess2")  # its own runs: beside the module's, with the other 2-process tests
 def test_sigterm_stops_a_sharded_run_cleanly(tmp_path):
     """SIGTERM to an FSDP2 run: both ranks stop at the same phase boundary, exit 143 with a usable last.ckpt, and
     the run resumes from it."""

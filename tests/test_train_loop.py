@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from stepflow.testing.harness import compose_config, run_cli, smoke_config
+from stepflow.testing.harness import compose_config, run_cli, run_in_process, smoke_config
 
 make_cfg = smoke_config  # this module's name for the smoke config with overrides
 
@@ -197,7 +197,7 @@ EXTENDED_DDP = [
 
 
 @pytest.mark.slow
-@pytest.mark.xdist_group("multiprocess")  # 2 processes: with test_sharded's, one at a time (make test-slow)
+@pytest.mark.xdist_group("multiprocess2")  # 2 processes, one at a time on one worker (test_sharded's on the other)
 @pytest.mark.parametrize("extra", [[],  # CI runs plain and tempflow; the others are extended (make test-extended)
                                    pytest.param(["train.weighting=auto", "train.auto_warmup=0", "reward=pickscore_tiny",
                                                  "sampler=flow_sde"], marks=pytest.mark.extended),
@@ -226,7 +226,7 @@ def test_ddp_two_processes_matches_one(tmp_path, extra):
     # adam_eps=1, lr=1: the first Adam step is ~ the gradient itself (not its sign), so weights compare gradients
     common = ["experiment=smoke", "loop.iterations=1", "loop.dump_trajectories=true", "eval.max_prompts=2",
               "train.adam_eps=1.0", "train.lr=1.0", "train.max_grad_norm=0", *extra]
-    r1 = _cli(*common, f"hydra.run.dir={one}")
+    r1 = run_in_process("stepflow.train", *common, f"hydra.run.dir={one}")  # one process: no fresh interpreter
     assert r1.returncode == 0, r1.stderr[-3000:]
     r2 = _cli(*common, "trainer=ddp_cpu", f"hydra.run.dir={two}", timeout=400)
     assert r2.returncode == 0, r2.stderr[-3000:]

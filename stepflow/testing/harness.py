@@ -270,7 +270,7 @@ def base_parameters(module) -> int:
     return sum(p.numel() for n, p in module.named_parameters() if "lora_" not in n)
 
 
-def train_random_config_once(run_dir: Path, name: str, finetune: str, timeout: int = 600) -> None:
+def train_random_config_once(run_dir: Path, name: str, finetune: str) -> None:
     """One iteration of ``model=<name>`` at tiny size through the training CLI, as gpu_check.sh runs it (a stand-in
     reward, the peak-memory callback): a trained step, ``memory.csv`` rows ``start`` and ``1``, and the run's weights
     (a LoRA adapter and the checkpoint, or for ``finetune=full`` with ``save_weights=false`` only the NOT_SAVED
@@ -278,13 +278,13 @@ def train_random_config_once(run_dir: Path, name: str, finetune: str, timeout: i
     import csv
 
     extra = ["model.save_weights=false", "callbacks.checkpoint=null"] if finetune == "full" else []
-    r = run_module("stepflow.train", f"model={name}", *RANDOM_TINY, f"model.finetune={finetune}", *extra,
-                   "~reward=shapes_geneval", "+reward._target_=stepflow.testing.random_policies.StandInReward",
-                   "+callbacks.memory._target_=stepflow.testing.random_policies.peak_memory_callback",
-                   "loop.iterations=1", "loop.prompts_per_iter=1", "loop.group_size=4", "loop.num_steps=3",
-                   "loop.substeps=1", "train.micro_batch_size=4", "train.beta_kl=0.04", "advantage=gain",
-                   "sampler=flow_sde", "eval.max_prompts=2", "eval.num_steps=2", "eval.grid_prompts=2",
-                   f"hydra.run.dir={run_dir}", timeout=timeout)
+    r = run_in_process("stepflow.train", f"model={name}", *RANDOM_TINY, f"model.finetune={finetune}", *extra,
+                       "~reward=shapes_geneval", "+reward._target_=stepflow.testing.random_policies.StandInReward",
+                       "+callbacks.memory._target_=stepflow.testing.random_policies.peak_memory_callback",
+                       "loop.iterations=1", "loop.prompts_per_iter=1", "loop.group_size=4", "loop.num_steps=3",
+                       "loop.substeps=1", "train.micro_batch_size=4", "train.beta_kl=0.04", "advantage=gain",
+                       "sampler=flow_sde", "eval.max_prompts=2", "eval.num_steps=2", "eval.grid_prompts=2",
+                       f"hydra.run.dir={run_dir}")
     assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
     rows = [x for x in csv.DictReader((run_dir / "metrics.csv").open()) if x.get("time/iteration_s")]
     assert len(rows) == 1 and float(rows[0]["train/steps_trained"]) > 0
