@@ -21,7 +21,7 @@ from omegaconf import OmegaConf
 
 from stepflow.cli import check_finite, first_non_finite
 from stepflow.errors import StepflowError
-from stepflow.testing.harness import compose_config, run_cli
+from stepflow.testing.harness import compose_config, run_in_process
 
 
 def _settings(*overrides: str):
@@ -183,7 +183,7 @@ def test_a_refused_second_run_leaves_the_running_runs_record_untouched(tmp_path)
         while not (run_dir / "metrics.csv").exists() and time.time() < deadline:
             time.sleep(0.5)
         record = {p.name: p.read_bytes() for p in [*(run_dir / ".hydra").iterdir(), run_dir / "config.yaml"]}
-        r = run_cli("stepflow.train", "experiment=smoke", "train.lr=0.01", f"hydra.run.dir={run_dir}")
+        r = run_in_process("stepflow.train", "experiment=smoke", "train.lr=0.01", f"hydra.run.dir={run_dir}")
         assert r.returncode == 2 and "is in use by another run" in r.stderr
         assert {p.name: p.read_bytes() for p in [*(run_dir / ".hydra").iterdir(), run_dir / "config.yaml"]} == record
         assert b"train.lr=0.01" not in (run_dir / "train.log").read_bytes()

@@ -19,7 +19,7 @@ from stepflow.core.dist import Dist
 from stepflow.credits.pref_grpo import PairwiseRollout, PrefGrpo, group_pairs, win_rates_from_scores
 from stepflow.rewards.base import Reward, RewardOut, preference_from_scores
 from stepflow.rollouts.base import Collected
-from stepflow.testing.harness import compose_config, run_cli, smoke_config
+from stepflow.testing.harness import compose_config, run_in_process, smoke_config
 
 REF = "CodeGoat24/Pref-GRPO@c06662d5fa99 fastvideo/train_flux_pref_grpo.py"
 
@@ -291,7 +291,7 @@ def test_refusals_name_the_field(field, value, needle):
 
 @pytest.mark.slow
 def test_refusal_on_the_command_line_is_one_line(tmp_path):
-    r = run_cli("stepflow.train", "experiment=league/pref_grpo", "advantage.weight=-1", f"hydra.run.dir={tmp_path}")
+    r = run_in_process("stepflow.train", "experiment=league/pref_grpo", "advantage.weight=-1", f"hydra.run.dir={tmp_path}")
     err = r.stderr.strip().splitlines()
     assert r.returncode != 0 and len(err) == 1 and "advantage.weight: must be a float > 0" in err[0], r.stderr[-1500:]
 
