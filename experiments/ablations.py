@@ -17,7 +17,8 @@ excluded), so the names are deterministic and a second invocation finds the runs
 Skipping: before launching, every planned (arm, seed) run is checked. A run whose ``metrics.csv`` holds the final
 evaluation row (or whose ``lora/`` adapter exists) and whose stored ``config.yaml`` agrees with the planned config is
 *finished* and skipped; an unfinished run with ``checkpoints/last.ckpt`` is *resumed* (``ckpt_path=...``; so is a run
-whose plan only raises ``loop.iterations``: it is extended); a run whose stored config disagrees with the plan
+whose plan only raises ``loop.iterations`` or ``loop.budget``, evaluating at every point it did: it is extended, and
+its ``config.resume.yaml`` is then the config compared); a run whose stored config disagrees with the plan
 otherwise (a changed experiment file or override) is *stale*: it is moved to ``<ablation>/.stale/`` and rerun;
 anything else is (re)started. Only missing runs are launched: when every arm of an
 ablation miss the same seeds, one multirun over the axes (``advantage=uniform,gain sampler=... seed=0,1,2``; likewise
@@ -334,23 +335,89 @@ IGNORED_KEYS = ("experiment_name", "ckpt_path", "loop.estimate_chunk", "loop.dec
                 "loop.overlap_chunks", "loop.compile", "torch_threads")
 
 
-def job_status(run_dir: Path, planned: dict[str, Any] | None = None) -> tuple[str, str]:
-    """``(status, reason)`` of the run directory of a planned job (see the module docstring)."""
+#: what a plan may raise over a stored run for that run to be *extended* from its checkpoint rather than rerun: how
+#: long it goes on and where it is evaluated (training does not read them: tests/test_budget.py
+#: ``test_a_finished_budget_run_extended_from_its_checkpoint_is_the_run_to_the_larger_budget``)
+EXTENDABLE = ("loop.iterations", "loop.budget", "eval.at_fractions")
+
+
+def stored_config(run_dir: Path) -> dict[str, Any]:
+    """The settings a run directory's run last ran with: its ``config.resume.yaml`` (written by each resume: only
+    the settings a resume may change differ, ``stepflow.rundir.RESUMABLE``) where there is one, else its
+    ``config.yaml``; {} where neither reads as a mapping."""
     import yaml
 
+    for name in ("config.resume.yaml", "config.yaml"):
+        f = Path(run_dir) / name
+        if f.is_file():
+            try:
+                cfg = yaml.safe_load(f.read_text())
+            except (yaml.YAMLError, UnicodeDecodeError):
+                cfg = None
+            if isinstance(cfg, dict):
+                return cfg
+    return {}
+
+
+def _points(cfg: dict[str, Any]) -> tuple[Any, list[float]]:
+    """A config's budget (``stepflow.core.budget.Budget`` or None) and its evaluation points in the budget's units."""
+    from stepflow.core.budget import parse_budget
+
+    loop, ev = cfg.get("loop") or {}, cfg.get("eval") or {}
+    budget = parse_budget(loop.get("budget"))
+    points = [] if budget is None else [float(f) * budget.total for f in ev.get("at_fractions") or ()]
+    return budget, points
+
+
+def run_budget(run_dir: Path) -> float | None:
+    """The budget the run in ``run_dir`` last ran to (:func:`stored_config`), or None (none, or not readable)."""
+    try:
+        b = _points(stored_config(run_dir))[0]
+    except (TypeError, ValueError, AttributeError):
+        return None
+    return None if b is None else b.total
+
+
+def extension(stored: dict[str, Any], planned: dict[str, Any], diff: Sequence[str]) -> str | None:
+    """Why the planned run continues the stored one (its reason), or None: they differ only in :data:`EXTENDABLE`,
+    the plan goes on longer (more iterations or a larger budget of the same kind, neither less) and evaluates at
+    the same points up to the stored run's budget (the stored run's evaluations are then the planned run's first
+    ones)."""
+    if not diff or not set(diff) <= set(EXTENDABLE):
+        return None
+    try:
+        it0, it1 = int(stored["loop"]["iterations"]), int(planned["loop"]["iterations"])
+        (b0, p0), (b1, p1) = _points(stored), _points(planned)
+    except (KeyError, TypeError, ValueError):
+        return None
+    if it1 < it0 or (b0 is None) != (b1 is None) or (b0 is not None and (b0.kind != b1.kind or b1.total < b0.total)):
+        return None
+    if b0 is not None:  # (fractions written to 9 digits: the same point within a millionth of the budget)
+        tol = 1e-6 * b1.total
+        if not all(any(abs(p - q) <= tol for q in p1) for p in p0):
+            return None
+        if not all(any(abs(q - p) <= tol for p in p0) for q in p1 if q <= b0.total + tol):
+            return None  # a point the stored run passed without evaluating: rerun
+    if b0 is not None and b1.total > b0.total:
+        unit = "NFEs" if b0.kind == "nfe" else "s of training"
+        return f"extend from {b0.total:,.0f} to {b1.total:,.0f} {unit}"
+    if it1 > it0 and (b0 is None or b0.total == b1.total):
+        return f"extend from {it0} to {it1} iterations"
+    return None
+
+
+def job_status(run_dir: Path, planned: dict[str, Any] | None = None) -> tuple[str, str]:
+    """``(status, reason)`` of the run directory of a planned job (see the module docstring)."""
     cfg_file = run_dir / "config.yaml"
     if not cfg_file.is_file():
         return "missing", "no run yet" if not run_dir.exists() else "no config.yaml"
     has_ckpt = (run_dir / "checkpoints" / "last.ckpt").is_file()
     if planned is not None:
-        try:
-            stored = yaml.safe_load(cfg_file.read_text()) or {}
-        except yaml.YAMLError:
-            stored = {}
+        stored = stored_config(run_dir)
         diff = config_mismatch(stored, planned)
-        if diff == ["loop.iterations"] and has_ckpt and \
-                int(planned["loop"]["iterations"]) > int(stored["loop"]["iterations"]):
-            return "resume", f"extend from {stored['loop']['iterations']} to {planned['loop']['iterations']} iterations"
+        why = extension(stored, planned, diff)
+        if why is not None and has_ckpt:
+            return "resume", why
         if diff:
             return "stale", f"config differs from the plan in {', '.join(diff[:4])}"
     iterations = None if planned is None else int(planned["loop"]["iterations"])

@@ -20,7 +20,9 @@ Protocol (docs/league/report.md says it in full):
 - **Where methods end**: a method's *peak* is the budget point of the largest mean held-out GenEval over seeds;
   :func:`still_rising` (its peak is its last point and the last interval gained at least ``rise_tol``) doubles that
   method's budget, with evaluations at 1.5× and 2× the old one, at most ``max_extend`` times; the decision is kept
-  in ``<ledger>/budgets.json`` (``--budget-for name=NFEs`` sets one by hand) and its runs are rerun to the new budget.
+  in ``<ledger>/budgets.json`` (``--budget-for name=NFEs`` sets one by hand) and its runs are continued from their
+  ``checkpoints/last.ckpt`` to the new budget (:func:`ablations.extension`: the same run as one made to the new budget
+  in one go; a run whose checkpoint is gone, e.g. restored from the ledger, is run again from the start).
 - **Learning rate**: each method's lr is chosen on the grid {lr/3, lr, 3 lr} around its config's lr, to the full
   budget, with ``--grid-seeds`` (default 100, 101) that the table does not use; the chosen lr maximises the *peak* of
   the mean held-out GenEval over those seeds (the criterion the table reports); while the best lr is at an edge the
@@ -623,7 +625,11 @@ def _runs(phase, m, lr, seeds, ovr, s: Settings, compose, check_config) -> list[
                 ledger_run_rows(s, phase, m.name, seed, lr, planned_fractions(ovr), budget):
             # (a run whose adapter the ledger keeps is run again: the image grids need it)
             status, reason = "finished", "in the ledger's csv (measured before runs were archived)"
-        out.append(Run(phase, m, lr, seed, d, list(ovr), status, reason, cost=expected_seconds(m, ovr)))
+        cost = expected_seconds(m, ovr)
+        if status == "resume" and reason.startswith("extend from") and budget:  # only the new part is run
+            done = ablations.run_budget(d)
+            cost *= max(0.0, 1.0 - (done or 0.0) / budget)
+        out.append(Run(phase, m, lr, seed, d, list(ovr), status, reason, cost=cost))
     return out
 
 
@@ -708,6 +714,8 @@ def planned_fractions(ovr: Sequence[str]) -> list[float]:
 
 # ---------------------------------------------------------------------------------------------------- the ledger
 ARCHIVED = ("config.yaml", "metrics.csv")  #: what of every finished run the ledger keeps (tens of kB)
+#: and where the run has one: the settings of its last resume (an extended run's budget and evaluation points)
+ARCHIVED_IF_PRESENT = ("config.resume.yaml",)
 MARKER = "archived.json"  #: written into the ledger's copy: the run finished (its adapter may not be kept)
 
 
@@ -905,7 +913,7 @@ def archive_run(s: Settings, run_dir: Path) -> Path | None:
     tmp = dest.parent / f".{dest.name}.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    for name in ARCHIVED:
+    for name in (*ARCHIVED, *(n for n in ARCHIVED_IF_PRESENT if (run_dir / n).is_file())):
         shutil.copy2(run_dir / name, tmp / name)
     adapter = keeps_adapter(rel.parts[0], rel.parts[2]) and (run_dir / "lora").is_dir()
     if adapter:

@@ -471,8 +471,9 @@ def write_report(s, docs: Path, readme: Path | None = None) -> Path:
     w(f"**Where methods end.** A method's peak is its budget point of largest mean held-out GenEval over seeds (of "
       f"equal means the earliest); its end is its last point; the drop is peak − end, paired over seeds. A method is "
       f"*still rising* when its peak is its last point and the last interval gained at least {s.rise_tol:g}; `make "
-      f"league` then doubles its budget (evaluations added at 1.5× and 2× the old budget), at most {s.max_extend} "
-      f"times, keeping the decision in `{league.BUDGETS_FILE}` beside this report (`--budget-for name=NFEs` sets one "
+      f"league` then doubles its budget (evaluations added at 1.5× and 2× the old budget; each finished run is "
+      f"continued from its last checkpoint, the same run as one made to the new budget in one go), at most "
+      f"{s.max_extend} times, keeping the decision in `{league.BUDGETS_FILE}` beside this report (`--budget-for name=NFEs` sets one "
       f"by hand). The peak is the largest of several noisy means, so it is biased upwards by about their noise; the "
       f"drop and its CI say whether a method really falls.\n")
     ext = league.extended_budgets(s)

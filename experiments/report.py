@@ -134,15 +134,18 @@ def final_eval_iteration(rows: Sequence[dict[str, float]]) -> int | None:
 def run_finished(run_dir: str | Path, iterations: int | None = None) -> bool:
     """True when the run in ``run_dir`` completed: ``metrics.csv`` has the final evaluation row (an ``eval/`` row at
     iteration ``loop.iterations``, read from ``config.yaml`` unless ``iterations`` is given) or the run saved its
-    adapter (``lora/pytorch_lora_weights.safetensors``, written after the final evaluation) and no checkpoint is
-    newer than that adapter (a newer ``last.ckpt`` means the directory is being run again)."""
+    adapter (``lora/pytorch_lora_weights.safetensors``, written after the final evaluation) and neither a checkpoint
+    nor a resume's ``config.resume.yaml`` is newer than that adapter (the directory is being run again or extended)."""
     run_dir = Path(run_dir)
     metrics = run_dir / "metrics.csv"
     if not metrics.is_file():
         return False
     lora, ckpt = run_dir / "lora" / "pytorch_lora_weights.safetensors", run_dir / "checkpoints" / "last.ckpt"
-    # the adapter marks a finished run unless a checkpoint was written after it (the directory is being rerun)
-    if lora.is_file() and not (ckpt.is_file() and ckpt.stat().st_mtime > lora.stat().st_mtime + 1.0):
+    resumed = run_dir / "config.resume.yaml"
+    # the adapter marks a finished run unless a checkpoint was written after it (the directory is being rerun) or a
+    # resume started after it (the run is being extended: every resume that finishes writes the adapter again)
+    if lora.is_file() and not (ckpt.is_file() and ckpt.stat().st_mtime > lora.stat().st_mtime + 1.0) and \
+            not (resumed.is_file() and resumed.stat().st_mtime > lora.stat().st_mtime):
         return True
     if iterations is None:
         cfg_file = run_dir / "config.yaml"

@@ -7,6 +7,7 @@ import csv
 from pathlib import Path
 
 import pytest
+import torch
 
 from stepflow.core.budget import Budget, crossed, parse_budget
 from stepflow.testing.harness import smoke_config
@@ -103,6 +104,38 @@ def test_a_resumed_budget_run_stops_where_the_uninterrupted_one_does(tmp_path):
     # run again once finished: nothing more is spent
     fit(tmp_path / "part", "loop.iterations=50", budget, f"ckpt_path={ckpt}", *cont)
     assert len(train_rows(tmp_path / "part")) == 4
+
+
+def test_a_finished_budget_run_extended_from_its_checkpoint_is_the_run_to_the_larger_budget(tmp_path):
+    """A run that finished at budget B1 (its last iteration evaluated, its adapter written), resumed from its
+    last.ckpt with budget B2 > B1 and evaluation points that hold B1, is the run made to B2 in one go: the same
+    training rows, the same evaluations at the same iterations, the same final adapter (what the league does when
+    it doubles a still-rising method's budget instead of running it again from the start)."""
+    from safetensors.torch import load_file
+
+    cont = ["reward=pickscore_tiny", "eval.at_start=false"]
+    fit(tmp_path / "free", "loop.iterations=4", *cont)
+    cum = [float(r["cost/nfe_fwd_equiv_total"]) for r in train_rows(tmp_path / "free")]
+    b1, b2 = (cum[0] + cum[1]) / 2, (cum[2] + cum[3]) / 2  # B1 ends after iteration 2, B2 after iteration 4
+    two = [f"loop.budget={b2}", f"eval.at_fractions=[{b1 / b2},1.0]"]
+    fit(tmp_path / "full", "loop.iterations=50", *two, *cont)
+    fit(tmp_path / "part", "loop.iterations=50", f"loop.budget={b1}", "eval.at_fractions=[1.0]", *cont)
+    def evals(d):  # the held-out score of this reward, per evaluated iteration
+        return [(int(float(r["iteration"])), float(r["eval/pickscore"])) for r in rows(tmp_path / d)
+                if r.get("eval/pickscore")]
+
+    assert [i for i, _ in evals("part")] == [2] and (tmp_path / "part" / "lora").is_dir()
+    ckpt = tmp_path / "part" / "checkpoints" / "last.ckpt"
+    fit(tmp_path / "part", "loop.iterations=50", *two, f"ckpt_path={ckpt}", *cont)
+    a, b = train_rows(tmp_path / "full"), train_rows(tmp_path / "part")
+    assert len(a) == len(b) == 4
+    for ra, rb in zip(a, b):
+        for key in ("cost/nfe_fwd_equiv_total", "train/reward_mean", "train/policy_loss", "train/grad_norm"):
+            assert ra[key] != "" and float(ra[key]) == pytest.approx(float(rb[key]), rel=1e-6, abs=1e-9), key
+    assert [i for i, _ in evals("part")] == [i for i, _ in evals("full")] == [2, 4]
+    assert [v for _, v in evals("part")] == pytest.approx([v for _, v in evals("full")], abs=1e-9)
+    wa, wb = (load_file(tmp_path / d / "lora" / "pytorch_lora_weights.safetensors") for d in ("full", "part"))
+    assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
 
 
 def test_a_budget_in_seconds_counts_the_iterations_own_seconds(tmp_path):

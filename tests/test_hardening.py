@@ -345,7 +345,10 @@ def test_one_run_per_run_directory(tmp_path):
     assert not (run_dir / ".stepflow.lock").exists()
 
 
-def test_a_resume_with_other_settings_keeps_the_original_config(tmp_path):
+def test_a_resume_with_other_settings_keeps_the_original_config(tmp_path, monkeypatch):
+    """A resume never rewrites config.yaml; it records its own settings in config.resume.yaml (what experiments/
+    compares a planned run with), and one that fails before it trains puts back the record it found."""
+    import stepflow.train
     from stepflow.train import run
 
     run(compose_config("train", ["experiment=smoke", "loop.iterations=1"]), tmp_path)
@@ -358,6 +361,15 @@ def test_a_resume_with_other_settings_keeps_the_original_config(tmp_path):
     module = run(compose_config("train", ["experiment=smoke", "loop.iterations=2", f"ckpt_path={ckpt}"]), tmp_path)
     assert module.iteration == 2 and (tmp_path / "config.yaml").read_text() == original
     assert "iterations: 2" in (tmp_path / "config.resume.yaml").read_text()
+
+    def broken(*a, **k):
+        raise StepflowError("model.path: cannot load (a failure after the resume's settings were checked)")
+
+    monkeypatch.setattr(stepflow.train, "build_module", broken)
+    ckpt = tmp_path / "checkpoints" / "last.ckpt"
+    with pytest.raises(StepflowError, match="cannot load"):
+        run(compose_config("train", ["experiment=smoke", "loop.iterations=3", f"ckpt_path={ckpt}"]), tmp_path)
+    assert "iterations: 2" in (tmp_path / "config.resume.yaml").read_text()  # not the failed resume's 3
 
 
 def test_a_run_written_before_a_field_existed_resumes(tmp_path):

@@ -341,6 +341,85 @@ def test_finished_runs_go_to_the_ledger_and_a_fresh_clone_gets_them_back(tmp_pat
     assert {r.run_dir.name: r.status for r in league.plan(s, ["table"])}["seed=1"] == "stale"
 
 
+def test_a_doubled_budget_extends_each_finished_run_from_its_checkpoint(tmp_path):
+    """A method whose budget doubles (still rising) does not run its seeds again from the start: a finished run that
+    kept its last.ckpt is resumed to the new budget (its evaluations are the new plan's first ones; a run extended
+    this way equals one run to the larger budget: tests/test_budget.py), one without a checkpoint is stale. While
+    the extension runs (its config.resume.yaml newer than the old adapter) it is unfinished; once it wrote its
+    adapter it is finished, and its ledger copy (with config.resume.yaml) is finished in a fresh clone."""
+    import os
+    import shutil
+    import zipfile
+
+    from omegaconf import OmegaConf
+
+    from stepflow.config import compose
+
+    s = league.Settings(budget=1000, fractions=(0.5, 1.0), seeds=(0, 1), methods=("default",), grid=False,
+                        claims=False, out=tmp_path / "out", ledger=tmp_path / "docs")
+    m = league.method("default")
+
+    def planned(budget, seed):
+        ovr = league.run_overrides(m, "0.001", budget, league.method_fractions(s, budget), s)
+        return OmegaConf.to_yaml(compose("train", [*ovr, f"seed={seed}"]), resolve=True)
+
+    for seed in (0, 1):
+        d = s.out / "table" / "default" / f"seed={seed}"
+        fake_run(d, 1e-3, [(3, 510, 0.40), (6, 1010, 0.45)], 1000, [0.5, 1.0], seed)
+        (d / "config.yaml").write_text(planned(1000, seed))
+    d0 = s.out / "table" / "default" / "seed=0"
+    (d0 / "checkpoints").mkdir()
+    with zipfile.ZipFile(d0 / "checkpoints" / "last.ckpt", "w") as z:  # the finished run's last checkpoint
+        z.writestr("data.pkl", b"")
+    adapter = d0 / "lora" / "pytorch_lora_weights.safetensors"
+    t = adapter.stat().st_mtime
+    os.utime(d0 / "checkpoints" / "last.ckpt", (t - 5, t - 5))
+    assert {r.run_dir.name: r.status for r in league.plan(s, ["table"])} == {"seed=0": "finished", "seed=1": "finished"}
+
+    s.budget_for = {"default": 2000.0}  # doubled: points 500, 1000 (the old ones), 1500, 2000
+    runs = {r.run_dir.name: r for r in league.plan(s, ["table"])}
+    assert (runs["seed=0"].status, runs["seed=0"].reason) == ("resume", "extend from 1,000 to 2,000 NFEs")
+    assert any(a.startswith("ckpt_path=") for a in runs["seed=0"].command("python"))
+    assert "loop.budget=2000" in runs["seed=0"].command("python")
+    assert runs["seed=0"].cost == pytest.approx(runs["seed=1"].cost / 2)  # only its second half is to run
+    assert runs["seed=1"].status == "stale"  # no checkpoint: run again
+    # an extension that drops an evaluation the stored run made, or one the stored run passed, is a rerun
+    s.budget_for, s.fractions = {"default": 2000.0}, (1.0,)
+    assert {r.run_dir.name: r.status for r in league.plan(s, ["table"])}["seed=0"] == "stale"
+    s.fractions = (0.25, 0.5, 1.0)
+    assert {r.run_dir.name: r.status for r in league.plan(s, ["table"])}["seed=0"] == "stale"
+    s.fractions = (0.5, 1.0)
+
+    # the extension has started (its resume's settings written, a checkpoint after the old adapter): unfinished
+    (d0 / "config.resume.yaml").write_text(planned(2000, 0))
+    os.utime(d0 / "config.resume.yaml", (t + 5, t + 5))
+    os.utime(d0 / "checkpoints" / "last.ckpt", (t + 10, t + 10))
+    assert {r.run_dir.name: (r.status, r.reason) for r in league.plan(s, ["table"])}["seed=0"] == \
+        ("resume", "unfinished, has checkpoints/last.ckpt")
+    # stopped before its first checkpoint: still unfinished (the old adapter does not mark the extended run)
+    os.utime(d0 / "checkpoints" / "last.ckpt", (t - 5, t - 5))
+    assert {r.run_dir.name: r.status for r in league.plan(s, ["table"])}["seed=0"] == "resume"
+    # finished: its metrics reach 2000 and it wrote its adapter again
+    shutil.rmtree(d0)
+    fake_run(d0, 1e-3, [(3, 510, 0.40), (6, 1010, 0.45), (9, 1510, 0.47), (12, 2010, 0.48)], 2000,
+             [0.25, 0.5, 0.75, 1.0], 0)
+    (d0 / "config.yaml").write_text(planned(1000, 0))
+    (d0 / "config.resume.yaml").write_text(planned(2000, 0))
+    (d0 / "checkpoints").mkdir()
+    with zipfile.ZipFile(d0 / "checkpoints" / "last.ckpt", "w") as z:
+        z.writestr("data.pkl", b"")
+    t = adapter.stat().st_mtime
+    for f in (d0 / "config.resume.yaml", d0 / "checkpoints" / "last.ckpt"):
+        os.utime(f, (t - 5, t - 5))
+    assert {r.run_dir.name: r.status for r in league.plan(s, ["table"])}["seed=0"] == "finished"
+    assert [r["geneval"] for r in league.eval_rows(d0, 2000, league.method_fractions(s, 2000))] == [0.40, 0.45, 0.47, 0.48]
+    # the ledger keeps the settings it finished with: a fresh clone finds it finished, not stale
+    assert league.sync_archive(s) == 2  # (seed 1 too: finished at its old budget)
+    assert (s.ledger / "runs" / "table" / "default" / "seed=0" / "config.resume.yaml").is_file()
+    shutil.rmtree(s.out)
+    assert {r.run_dir.name: r.status for r in league.plan(s, ["table"])}["seed=0"] == "finished"
+
+
 def test_the_ledgers_csv_rows_count_as_finished_runs_until_a_run_on_disk_replaces_them(tmp_path):
     s = league.Settings(budget=1000, fractions=(0.25, 0.5, 1.0), seeds=(0, 1), methods=("default",), grid=False, claims=False,
                         out=tmp_path / "out", ledger=tmp_path / "docs")
