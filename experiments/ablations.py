@@ -398,12 +398,10 @@ def extension(stored: dict[str, Any], planned: dict[str, Any], diff: Sequence[st
             return None
         if not all(any(abs(q - p) <= tol for p in p0) for q in p1 if q <= b0.total + tol):
             return None  # a point the stored run passed without evaluating: rerun
-    if b0 is not None and b1.total > b0.total:
-        unit = "NFEs" if b0.kind == "nfe" else "s of training"
-        return f"extend from {b0.total:,.0f} to {b1.total:,.0f} {unit}"
-    if it1 > it0 and (b0 is None or b0.total == b1.total):
-        return f"extend from {it0} to {it1} iterations"
-    return None
+        if b1.total > b0.total:
+            unit = "NFEs" if b0.kind == "nfe" else "s of training"
+            return f"extend from {b0.total:,.0f} to {b1.total:,.0f} {unit}"
+    return f"extend from {it0} to {it1} iterations" if it1 > it0 else None
 
 
 def job_status(run_dir: Path, planned: dict[str, Any] | None = None) -> tuple[str, str]:

@@ -626,9 +626,9 @@ def _runs(phase, m, lr, seeds, ovr, s: Settings, compose, check_config) -> list[
             # (a run whose adapter the ledger keeps is run again: the image grids need it)
             status, reason = "finished", "in the ledger's csv (measured before runs were archived)"
         cost = expected_seconds(m, ovr)
-        if status == "resume" and reason.startswith("extend from") and budget:  # only the new part is run
-            done = ablations.run_budget(d)
-            cost *= max(0.0, 1.0 - (done or 0.0) / budget)
+        done = ablations.run_budget(d) if status == "resume" and budget else None
+        if done is not None and done < budget:  # an extension: only the new part is run
+            cost *= 1.0 - done / budget
         out.append(Run(phase, m, lr, seed, d, list(ovr), status, reason, cost=cost))
     return out
 

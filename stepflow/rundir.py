@@ -284,8 +284,8 @@ def tidied_if_unstarted(run_dir: Path, fresh: bool, record: Path | None = None):
     """A run that fails before it writes a checkpoint leaves behind only what explains why: ``train.log`` holds the
     error line. A fresh run (``fresh``) also keeps Hydra's record (``.hydra/``); the ``config.yaml`` it wrote and the
     folders it left empty go. A resume leaves the run as it found it, but for the log: ``record`` (this invocation's
-    Hydra record, ``.hydra/resume_<time>/``) goes and ``config.resume.yaml`` is what it was before. Results a fresh run wrote (a start evaluation's metrics and grid)
-    stay."""
+    Hydra record, ``.hydra/resume_<time>/``) goes and ``config.resume.yaml`` is what it was before. Results a fresh
+    run wrote (a start evaluation's metrics and grid) stay."""
     last, resumed = run_dir / "checkpoints" / "last.ckpt", run_dir / "config.resume.yaml"
     before = last.stat().st_mtime_ns if last.exists() else None
     resumed_before = None if fresh or not resumed.is_file() else resumed.read_bytes()
@@ -294,18 +294,18 @@ def tidied_if_unstarted(run_dir: Path, fresh: bool, record: Path | None = None):
     except BaseException:
         started = last.exists() and last.stat().st_mtime_ns != before
         if not started and global_rank() == 0:
-            if not fresh:  # the settings of the run's last resume that trained, not of this one (it trained nothing)
-                if resumed_before is None:
-                    resumed.unlink(missing_ok=True)
-                else:
-                    resumed.write_bytes(resumed_before)
             if fresh:
                 (run_dir / "config.yaml").unlink(missing_ok=True)
                 for d in sorted((p for p in run_dir.rglob("*") if p.is_dir()), key=lambda p: len(p.parts), reverse=True):
                     if not any(d.iterdir()):
                         d.rmdir()
-            elif record is not None and record.is_dir() and record.parent.name == ".hydra":
-                import shutil
+            else:  # config.resume.yaml: the settings of the run's last resume that trained, not of this one
+                if resumed_before is None:
+                    resumed.unlink(missing_ok=True)
+                else:
+                    resumed.write_bytes(resumed_before)
+                if record is not None and record.is_dir() and record.parent.name == ".hydra":
+                    import shutil
 
-                shutil.rmtree(record, ignore_errors=True)
+                    shutil.rmtree(record, ignore_errors=True)
         raise
