@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import heapq
 import json
 import math
 import os
@@ -1116,6 +1117,23 @@ def record_run(r: Run, rc: int, wall_s: float, ledger: Path | None = None) -> No
                              "wall_s": round(wall_s, 1), "end": time.strftime("%Y-%m-%dT%H:%M:%S")}) + "\n")
 
 
+def time_left(queued: Sequence[float], live: Sequence[float], jobs: int) -> float:
+    """Seconds until a pool is done: the live runs' remaining seconds, then the queued runs longest first, each on the
+    first worker to free (as :func:`run_pool` starts them), on ``jobs`` workers."""
+    free = sorted(max(0.0, x) for x in live)[:max(1, jobs)]
+    free += [0.0] * (max(1, jobs) - len(free))
+    heapq.heapify(free)
+    for c in sorted(queued, reverse=True):
+        heapq.heappush(free, heapq.heappop(free) + max(0.0, c))
+    return max(free)
+
+
+def left_text(sec: float) -> str:
+    if sec >= 3600:
+        return f"about {sec / 3600:.1f} h left"
+    return f"about {sec / 60:.0f} min left" if sec >= 120 else f"about {sec:.0f} s left"
+
+
 def run_pool(runs: Sequence[Run], jobs: int, env: dict[str, str], prefix: Sequence[str] = (),
              s: Settings | None = None) -> list[int]:
     """Run the runs ``jobs`` at a time, longest expected first; Ctrl-C / SIGTERM stops the running ones cleanly
@@ -1135,8 +1153,21 @@ def run_pool(runs: Sequence[Run], jobs: int, env: dict[str, str], prefix: Sequen
             p.send_signal(signal.SIGTERM)
 
     old = {sig: signal.signal(sig, stop) for sig in (signal.SIGINT, signal.SIGTERM)}
-    bar = tqdm(total=len(todo), desc="league", unit="run", dynamic_ncols=True)
+    # the time left comes from the runs' expected seconds, scaled by what the finished ones took against theirs:
+    # tqdm's own estimate divides by the recent rate, which parallel runs finishing together make twice too long
+    spent, expected, shown = 0.0, 0.0, 0.0
+
+    def show(now: float, refresh: bool = True) -> None:
+        nonlocal shown
+        ratio = spent / expected if expected > 0 else 1.0
+        left = time_left([r.cost * ratio for r in todo], [r.cost * ratio - (now - t0) for r, _, _, t0 in live], jobs)
+        bar.set_postfix_str(left_text(left), refresh=refresh)
+        shown = now
+
+    bar = tqdm(total=len(todo), desc="league", unit="run", dynamic_ncols=True,
+               bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt} [{elapsed}, {postfix}]")
     try:
+        show(time.time())
         while todo or live:
             while todo and len(live) < jobs and not stopping:
                 r = todo.pop(0)
@@ -1150,6 +1181,8 @@ def run_pool(runs: Sequence[Run], jobs: int, env: dict[str, str], prefix: Sequen
             if stopping and not live:
                 break
             time.sleep(1.0)
+            if time.time() - shown >= 60:
+                show(time.time())
             for item in list(live):
                 r, p, fh, t0 = item
                 rc = p.poll()
@@ -1158,12 +1191,15 @@ def run_pool(runs: Sequence[Run], jobs: int, env: dict[str, str], prefix: Sequen
                 live.remove(item)
                 fh.close()
                 codes.append(rc)
+                if rc == 0 and r.status != "resume":  # a resumed run did only part of its expected work
+                    spent, expected = spent + time.time() - t0, expected + r.cost
                 record_run(r, rc, time.time() - t0, None if s is None else s.ledger)
                 if s is not None and rc == 0:
                     try:
                         archive_run(s, r.run_dir)
                     except OSError as e:  # the run is kept in out; the next --report archives it
                         bar.write(f"[league] could not archive {r.run_dir}: {e}")
+                show(time.time(), refresh=False)
                 bar.update(1)
                 msg = f"{r.phase}/{r.method.name}/{r.run_dir.name}: exit {rc} after {time.time() - t0:.0f} s"
                 bar.write(f"[league] {msg}" + ("" if rc == 0 else f" (log: {r.run_dir.parent / (r.run_dir.name + '.out')})"))
@@ -1284,7 +1320,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             if ph == "grid" and not a.dry_run and any(r.status != "finished" for r in runs):
                 queue.insert(0, "grid")  # after these runs the grid may extend at an edge: plan it again
             n = {k: sum(r.status == k for r in runs) for k in ("finished", "resume", "stale", "missing")}
-            hours = sum(r.cost for r in runs if r.status != "finished") / 3600 / max(a.jobs, 1)
+            hours = time_left([r.cost for r in runs if r.status != "finished"], [], a.jobs) / 3600
             print(f"[league] {ph}: {len(runs)} runs under {s.out / ph}: {n['finished']} finished, {n['resume']} to "
                   f"resume, {n['stale']} stale, {n['missing']} to run (about {hours:.1f} h at --jobs {a.jobs})")
             todo = [r for r in runs if r.status != "finished"]

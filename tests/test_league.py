@@ -794,3 +794,34 @@ def test_the_report_names_every_difference_of_the_papers_recipe_and_every_pairin
     assert arms["default_t5"].loop.substeps == 5 and arms["paper_t2"].loop.substeps == 2
     assert arms["paper_noisy_step0"].sampler.schedule == "eta_s" and arms["default_every_step"].train.train_steps is None
     assert {c.arm for c in league.DECOMPOSITION} <= {m.name for m in league.CLAIM_ARMS}
+
+
+# ------------------------------------------------------------------------------------------------ the progress bar
+def test_time_left_schedules_the_runs_as_the_pool_starts_them():
+    """Closed forms of list scheduling, longest first, on the first worker to free."""
+    assert league.time_left([10, 10, 10, 10], [], 2) == 20
+    assert league.time_left([10], [5, 0], 2) == 10  # the idle worker takes it at once
+    assert league.time_left([3, 3, 3], [], 2) == 6
+    assert league.time_left([3, 5, 3, 4, 3], [], 2) == 10  # 5 | 4, then 3 -> the 4's worker, 3 -> 5's, 3 -> 7
+    assert league.time_left([2, 2], [], 0) == 4  # --jobs 0 runs one at a time
+    assert league.time_left([], [-3.0, 7.0], 2) == 7  # a live run past its expected time is "about to end"
+    assert league.time_left([], [], 2) == 0
+
+
+def test_the_league_bar_estimates_from_expected_seconds_scaled_by_the_finished_runs(tmp_path, capsys):
+    """Two runs expected at two hours each, one at a time: the bar starts at 4 h, and once the first has taken a
+    second or so the second is expected to take as long (tqdm's own estimate, or the unscaled costs, say otherwise)."""
+    import re
+
+    runs = []
+    for seed in (0, 1):
+        r = league.Run("table", league.method("default"), "0.001", seed, tmp_path / "table" / "default" / f"seed={seed}",
+                       cost=7200.0)
+        r.command = lambda python=None, prefix=(): [sys.executable, "-c", "pass"]
+        runs.append(r)
+    assert league.run_pool(runs, 1, {"PATH": "/usr/bin:/bin"}) == [0, 0]
+    shown = re.findall(r"about ([\d.]+) (h|min|s) left", capsys.readouterr().err)
+    secs = [float(v) * {"h": 3600, "min": 60, "s": 1}[u] for v, u in shown]
+    assert secs and secs[0] == 4 * 3600, shown
+    after_first = [x for x in secs if x != 4 * 3600]
+    assert after_first and after_first[0] < 60, shown  # the second run is expected to take what the first took
