@@ -820,7 +820,9 @@ def test_the_league_bar_estimates_from_expected_seconds_scaled_by_the_finished_r
         r.command = lambda python=None, prefix=(): [sys.executable, "-c", "pass"]
         runs.append(r)
     assert league.run_pool(runs, 1, {"PATH": "/usr/bin:/bin"}) == [0, 0]
-    shown = re.findall(r"about ([\d.]+) (h|min|s) left", capsys.readouterr().err)
+    err = capsys.readouterr().err
+    assert ", ]" not in err, err  # every drawing of the bar has its time left
+    shown = re.findall(r"about ([\d.]+) (h|min|s) left", err)
     secs = [float(v) * {"h": 3600, "min": 60, "s": 1}[u] for v, u in shown]
     assert secs and secs[0] == 4 * 3600, shown
     after_first = [x for x in secs if x != 4 * 3600]
