@@ -1165,7 +1165,7 @@ def run_pool(runs: Sequence[Run], jobs: int, env: dict[str, str], prefix: Sequen
         shown = now
 
     bar = tqdm(total=len(todo), desc="league", unit="run", dynamic_ncols=True,
-               bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt} [{elapsed}, {postfix}]",
+               bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt} [{elapsed}{postfix}]",
                postfix=left_text(time_left([r.cost for r in todo], [], jobs)))
     try:
         while todo or live:

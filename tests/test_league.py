@@ -821,8 +821,10 @@ def test_the_league_bar_estimates_from_expected_seconds_scaled_by_the_finished_r
         runs.append(r)
     assert league.run_pool(runs, 1, {"PATH": "/usr/bin:/bin"}) == [0, 0]
     err = capsys.readouterr().err
-    assert ", ]" not in err, err  # every drawing of the bar has its time left
-    shown = re.findall(r"about ([\d.]+) (h|min|s) left", err)
+    frames = [f for f in err.replace("\r", "\n").splitlines() if "|" in f]
+    shown = [re.search(r"\| \d+/2 \[[\d:]+, about ([\d.]+) (h|min|s) left\]$", f.strip()) for f in frames]
+    assert frames and all(shown), frames  # every drawing of the bar: "[elapsed, about ... left]"
+    shown = [m.groups() for m in shown]
     secs = [float(v) * {"h": 3600, "min": 60, "s": 1}[u] for v, u in shown]
     assert secs and secs[0] == 4 * 3600, shown
     after_first = [x for x in secs if x != 4 * 3600]
